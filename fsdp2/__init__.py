@@ -1,0 +1,15 @@
+"""fsdp2: fully sharded data parallel training, a drop-in for torch's ``fully_shard``."""
+
+from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,390 @@
+"""The parameters of one group that share a dtype: one all-gather, one reduce-scatter.
+
+Layouts (``W`` ranks, ``S`` = sum of the padded shard sizes):
+
+* sharded flat (``S + R`` elements, the parameters' dtype): each parameter's shard
+  at its ``offset``, then the ``R`` replicated scalars. It is the storage of the
+  sharded DTensors, so the optimizer updates it in place and the all-gather reads it
+  directly (a single cast when ``param_dtype`` differs).
+* all-gather output (``W x S``, rank-major): rank ``r``'s sharded flat in row ``r``.
+* unsharded flat (``W*S + R``, compute dtype): parameter-major, each parameter's
+  ``W * chunk_rows`` rows contiguous, so its unsharded value is a plain view.
+  Filled from the all-gather output by one ``split_with_sizes_copy``; its storage is
+  resized to 0 on reshard and back on unshard, so tensors autograd saved in forward
+  see the re-gathered values in backward.
+* reduce input (``W x N``, reduce dtype): the gradients that require grad in the
+  same column layout, then one "used" flag per reduced parameter, then the gradients
+  of replicated scalars. Summed over ranks, row ``r`` is rank ``r``'s result; a flag
+  above zero means some rank produced a gradient, so unused parameters keep
+  ``grad=None`` exactly as in local training, and every rank reduces the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.profiler import record_function
+
+from ._buffers import BufferPool
+from ._collectives import Pending, all_gather_flat, reduce_scatter_flat, wait_pending
+from ._param import FSDPParam
+
+
+class CommContext(NamedTuple):
+    """What a bucket needs to communicate, shared by all buckets of a group."""
+
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    pool: BufferPool
+    reduce_by_all_reduce: bool
+
+
+class ReduceLayout(NamedTuple):
+    params: list[FSDPParam]  # reduced parameters that shard, in column order
+    scalars: list[FSDPParam]  # reduced replicated scalars
+    offsets: list[int]  # column offset of each entry of ``params``
+    grad_numel: int  # columns holding sharded gradients
+    numel: int  # columns per rank in all: gradients, flags, scalars
+
+
+class FlatBucket:
+    """Storage and collectives of the same-dtype parameters of one group."""
+
+    def __init__(
+        self,
+        params: list[FSDPParam],
+        originals: list[torch.Tensor],
+        comm: CommContext,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+    ) -> None:
+        self.params = params
+        for i, p in enumerate(params):
+            p.bucket_index = i
+        self.comm = comm
+        self.dtype = params[0].dtype
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.sharded_params = [p for p in params if not p.is_replicated]
+        self.scalars = [p for p in params if p.is_replicated]
+        offset = 0
+        for p in self.sharded_params:
+            p.offset = offset
+            offset += p.shard_numel
+        for i, p in enumerate(self.scalars):
+            p.offset = offset + i
+        self.shard_numel = offset  # S
+        self._pending_gather: Pending | None = None
+        self._gather_input: torch.Tensor | None = None  # kept alive until the gather is waited
+        self._partial: torch.Tensor | None = None  # post-forward partial reshard (int)
+        self._pending_reduce: Pending | None = None
+        self._reduce_input: torch.Tensor | None = None  # pooled, owned until reduced
+        self._deposited: list[bool] = []
+        self._layout: ReduceLayout | None = None
+        self._layout_key: tuple[bool, ...] = ()
+        self._allocate_sharded(originals, device)
+
+    # ------------------------------------------------------------------ storage
+    def _allocate_sharded(self, originals: list[torch.Tensor], device: torch.device) -> None:
+        total = self.shard_numel + len(self.scalars)
+        self.sharded_flat = torch.zeros(total, dtype=self.dtype, device=device)
+        with torch.no_grad():
+            for p, orig in zip(self.params, originals):
+                local = self.local_view(p)
+                if device.type != "meta" and orig.device.type != "meta":
+                    local.copy_(p.local_chunk(orig.detach()))
+                p.sharded = torch.nn.Parameter(
+                    p.to_dtensor(local, self.comm.mesh), requires_grad=orig.requires_grad
+                )
+        self._allocate_unsharded()
+
+    def _allocate_unsharded(self) -> None:
+        world = self.comm.world
+        numel = world * self.shard_numel + len(self.scalars)
+        flat = torch.empty(numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
+        self._unsharded_numel = numel
+        self.unsharded_flat = flat
+        # Writes go through ``.data``, which has its own version counter: re-gathering
+        # in backward must not look like an in-place change to the views autograd saved.
+        self._unsharded_write = flat.data
+        self._copy_out = [
+            self._unsharded_write[world * p.offset : world * (p.offset + p.shard_numel)].view(
+                world, p.shard_numel
+            )
+            for p in self.sharded_params
+        ]
+        self.unsharded_views = [self._unsharded_view(flat, p) for p in self.params]
+        self._free_unsharded()
+
+    def _unsharded_view(self, flat: torch.Tensor, p: FSDPParam) -> torch.Tensor:
+        if p.is_replicated:
+            return flat[self.comm.world * self.shard_numel + (p.offset - self.shard_numel)].view(())
+        start = self.comm.world * p.offset
+        return flat[start : start + p.shape.numel()].view(p.shape)
+
+    def local_view(self, p: FSDPParam) -> torch.Tensor:
+        """``p``'s real rows inside the sharded flat buffer."""
+        if p.is_replicated:
+            return self.sharded_flat[p.offset].view(())
+        return self.sharded_flat[p.offset : p.offset + p.local_rows * p.row_numel].view(
+            p.local_shape
+        )
+
+    def _free_unsharded(self) -> None:
+        self.unsharded_flat.untyped_storage().resize_(0)
+
+    def _alloc_unsharded(self) -> None:
+        nbytes = self._unsharded_numel * self.unsharded_flat.element_size()
+        if self.unsharded_flat.untyped_storage().nbytes() != nbytes:
+            self.unsharded_flat.untyped_storage().resize_(nbytes)
+
+    def unsharded_bytes(self) -> int:
+        return self.unsharded_flat.untyped_storage().nbytes()
+
+    def rebind(self) -> None:
+        """Adopt whatever ``module._apply`` (``to_empty``, ``to``, ``double``...) put into
+        the sharded parameters: copy their values into fresh flat storage on their new
+        device and dtype, and point the parameters back at it."""
+        current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
+        locals_ = [c.to_local() if isinstance(c, torch.distributed.tensor.DTensor) else c for c in current]
+        device, dtype = locals_[0].device, locals_[0].dtype
+        if self.compute_dtype == self.dtype:
+            self.compute_dtype = dtype
+        if self.reduce_dtype == self.dtype:
+            self.reduce_dtype = dtype
+        self.dtype = dtype
+        self.sharded_flat = torch.zeros(self.shard_numel + len(self.scalars), dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, param, local in zip(self.params, current, locals_):
+                view = self.local_view(p)
+                if device.type != "meta":
+                    view.copy_(local.reshape(view.shape))
+                grad = param.grad
+                fresh = torch.nn.Parameter(p.to_dtensor(view, self.comm.mesh), requires_grad=param.requires_grad)
+                # Swap rather than ``.data =``: a DTensor keeps its local tensor in a Python
+                # attribute that ``.data`` would not update; the object stays the same.
+                torch.utils.swap_tensors(param, fresh)
+                if grad is not None:
+                    param.grad = grad
+                p.sharded = param  # type: ignore[assignment]
+                p.dtype = dtype
+                p.register_sharded()
+        self._allocate_unsharded()
+
+    # --------------------------------------------------------------- all-gather
+    def start_all_gather(self, partial_group: dist.ProcessGroup | None) -> None:
+        """Phase 1 of unshard: issue the all-gather (from the partial shard if kept)."""
+        if self.shard_numel == 0:
+            return
+        comm = self.comm
+        if partial_group is not None and self._partial is not None:
+            source, group = self._partial, partial_group
+        else:
+            source, group = self.sharded_flat[: self.shard_numel], comm.group
+            if self.compute_dtype != self.dtype:
+                with record_function("fsdp2::cast_for_all_gather"):
+                    source = source.to(self.compute_dtype)
+        output = comm.pool.acquire(comm.world * self.shard_numel, self.compute_dtype, source.device)
+        self._gather_input = source
+        self._pending_gather = all_gather_flat(source, output, group, async_op=True)
+
+    def finish_all_gather(self) -> None:
+        """Phase 2 of unshard: wait, then copy the gathered shards out parameter-major."""
+        self._alloc_unsharded()
+        if self.shard_numel > 0:
+            assert self._pending_gather is not None, "fsdp2 internal error: no all-gather issued"
+            output = wait_pending(self._pending_gather)
+            with record_function("fsdp2::copy_out"):
+                torch.split_with_sizes_copy(
+                    output.view(self.comm.world, self.shard_numel),
+                    [p.shard_numel for p in self.sharded_params],
+                    dim=1,
+                    out=self._copy_out,
+                )
+            self.comm.pool.release(output)
+            self._pending_gather = None
+            self._gather_input = None
+        self._partial = None
+        if self.scalars:
+            tail = self._unsharded_write[self.comm.world * self.shard_numel :]
+            tail.copy_(self.sharded_flat[self.shard_numel :])
+
+    def reshard(self) -> None:
+        if self._pending_gather is not None:  # never free memory a collective still writes
+            self.finish_all_gather()
+        self._partial = None
+        self._free_unsharded()
+
+    def reshard_partial(self, factor: int, index: int) -> None:
+        """Keep only the ranks ``[index*W/factor, (index+1)*W/factor)`` of the gathered
+        rows, so the backward all-gather runs over ``factor`` ranks only."""
+        world = self.comm.world
+        rows = world // factor
+        keep = torch.empty(rows * self.shard_numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
+        if self.shard_numel:
+            torch.cat(
+                [v[index * rows : (index + 1) * rows] for v in self._copy_out],
+                dim=1,
+                out=keep.view(rows, self.shard_numel),
+            )
+        self._free_unsharded()
+        self._partial = keep
+
+    # ----------------------------------------------------------- reduce-scatter
+    def reduce_layout(self) -> ReduceLayout:
+        """The reduce layout built by the last ``refresh_reduce_layout``."""
+        if self._layout is None:
+            return self.refresh_reduce_layout()
+        return self._layout
+
+    def refresh_reduce_layout(self) -> ReduceLayout:
+        """Rebuild the reduce layout if ``requires_grad`` flags changed (checked each forward)."""
+        key = tuple(bool(p.sharded is not None and p.sharded.requires_grad) for p in self.params)
+        if self._layout is not None and key == self._layout_key:
+            return self._layout
+        if any(self._deposited):
+            raise RuntimeError(
+                "requires_grad of a parameter changed while gradients were being accumulated "
+                "without synchronization; change requires_grad only between optimizer steps"
+            )
+        params = [p for p, rg in zip(self.params, key) if rg and not p.is_replicated]
+        scalars = [p for p, rg in zip(self.params, key) if rg and p.is_replicated]
+        offsets, col = [], 0
+        for p in params:
+            offsets.append(col)
+            col += p.shard_numel
+        for p in self.params:
+            p.rs_index = -1
+        for i, p in enumerate(params + scalars):
+            p.rs_index = i
+        flags = len(params) + len(scalars)
+        self._layout = ReduceLayout(params, scalars, offsets, col, col + flags + len(scalars))
+        self._layout_key = key
+        self._deposited = [False] * flags
+        return self._layout
+
+    def has_reduced_params(self) -> bool:
+        layout = self.reduce_layout()
+        return bool(layout.params or layout.scalars)
+
+    def _reduce_input2d(self) -> torch.Tensor:
+        layout = self.reduce_layout()
+        if self._reduce_input is None:
+            self._reduce_input = self.comm.pool.acquire(
+                self.comm.world * layout.numel, self.reduce_dtype, self.sharded_flat.device
+            )
+        return self._reduce_input.view(self.comm.world, layout.numel)
+
+    def deposit(self, p: FSDPParam, grad: torch.Tensor) -> None:
+        """Add (or copy, if first) ``p``'s unsharded gradient into the reduce input."""
+        layout = self.reduce_layout()
+        if p.rs_index < 0:
+            raise AssertionError(f"fsdp2 internal error: gradient for frozen parameter {p.fqn}")
+        buf = self._reduce_input2d()
+        first = not self._deposited[p.rs_index]
+        self._deposited[p.rs_index] = True
+        if p.is_replicated:
+            col = layout.grad_numel + len(layout.params) + len(layout.scalars) + layout.scalars.index(p)
+            _write(buf[:, col], grad, first)
+            return
+        world, chunk, row = self.comm.world, p.chunk_rows, p.row_numel
+        region = buf[:, layout.offsets[p.rs_index] : layout.offsets[p.rs_index] + p.shard_numel]
+        region = region.view(world, chunk, row)
+        grad = grad.reshape(-1, row) if row else grad.reshape(p.shape[0], 0)
+        full = grad.shape[0] // chunk if chunk else 0
+        if full:
+            _write(region[:full], grad[: full * chunk].view(full, chunk, row), first)
+        rest = grad.shape[0] - full * chunk
+        if rest:
+            _write(region[full, :rest], grad[full * chunk :], first)
+
+    def has_deposits(self) -> bool:
+        return any(self._deposited)
+
+    def start_reduce(self) -> None:
+        """Issue the reduce-scatter of everything deposited; undeposited gradients count as
+        zero and carry a zero "used" flag."""
+        layout = self.reduce_layout()
+        buf = self._reduce_input2d()
+        with record_function("fsdp2::reduce_prepare"):
+            for p, off in zip(layout.params, layout.offsets):
+                if not self._deposited[p.rs_index]:
+                    buf[:, off : off + p.shard_numel].zero_()
+            scalar_base = layout.grad_numel + len(layout.params) + len(layout.scalars)
+            for i, p in enumerate(layout.scalars):
+                if not self._deposited[p.rs_index]:
+                    buf[:, scalar_base + i].zero_()
+            flags = torch.tensor(self._deposited, dtype=buf.dtype).to(buf.device)
+            buf[:, layout.grad_numel : scalar_base].copy_(flags)
+        comm = self.comm
+        self._pending_reduce = reduce_scatter_flat(
+            buf, comm.group, comm.rank, comm.reduce_by_all_reduce, async_op=True
+        )
+
+    def has_pending_reduce(self) -> bool:
+        return self._pending_reduce is not None
+
+    def finish_reduce(self, divide_factor: float) -> None:
+        """Wait for the reduce-scatter and accumulate the sharded gradients into ``.grad``."""
+        assert self._pending_reduce is not None, "fsdp2 internal error: no reduce-scatter issued"
+        layout = self.reduce_layout()
+        result = wait_pending(self._pending_reduce)
+        with record_function("fsdp2::grad_copy"):
+            grads = result[: layout.grad_numel].to(self.dtype, copy=True)
+            grads.div_(divide_factor)
+            flag_end = layout.grad_numel + len(layout.params) + len(layout.scalars)
+            used = result[layout.grad_numel : flag_end].tolist()
+            scalar_vals = result[flag_end:].to(self.dtype, copy=True).div_(divide_factor)
+            self.comm.pool.release(self._reduce_input)  # type: ignore[arg-type]
+            self._reduce_input = None
+            self._pending_reduce = None
+            self._deposited = [False] * len(self._deposited)
+            for p, off in zip(layout.params, layout.offsets):
+                if used[p.rs_index] > 0:
+                    local = grads[off : off + p.local_rows * p.row_numel].view(p.local_shape)
+                    _accumulate_grad(p, local, self.comm.mesh)
+            for i, p in enumerate(layout.scalars):
+                if used[p.rs_index] > 0:
+                    _accumulate_grad(p, scalar_vals[i].view(()), self.comm.mesh)
+
+    def drop_reduce_state(self) -> None:
+        """Forget deposited gradients and any reduce-scatter (after an exception)."""
+        if self._pending_reduce is not None:
+            try:
+                wait_pending(self._pending_reduce)
+            finally:
+                self._pending_reduce = None
+        if self._reduce_input is not None:
+            self.comm.pool.release(self._reduce_input)
+            self._reduce_input = None
+        self._deposited = [False] * len(self._deposited)
+        if self._pending_gather is not None:
+            try:
+                wait_pending(self._pending_gather)
+            finally:
+                self.comm.pool.release(self._pending_gather.result)
+                self._pending_gather = None
+                self._gather_input = None
+
+
+def _write(dst: torch.Tensor, src: torch.Tensor, first: bool) -> None:
+    if first:
+        dst.copy_(src)
+    else:
+        dst.add_(src)
+
+
+def _accumulate_grad(p: FSDPParam, local: torch.Tensor, mesh: DeviceMesh) -> None:
+    param = p.sharded
+    assert param is not None
+    if param.grad is None:
+        param.grad = p.to_dtensor(local, mesh)
+    else:
+        existing = param.grad
+        (existing.to_local() if isinstance(existing, torch.distributed.tensor.DTensor) else existing).add_(local)

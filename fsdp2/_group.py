@@ -1,0 +1,306 @@
+"""One ``fully_shard`` call's parameters: unshard, reshard, and the hooks' work.
+
+Lifecycle of a group in one training step:
+
+  Phase 1  pre_forward   all-gather (maybe already prefetched), prefetch the next
+                         group, register unsharded views through ``_UnshardedParams``.
+  Phase 2  post_forward  register the sharded parameters again, reshard per
+                         ``reshard_after_forward``, hook the outputs for pre_backward.
+  Phase 3  pre_backward  (first output gradient) all-gather again if resharded,
+                         prefetch the group that runs backward next.
+  Phase 4  post_backward (``_UnshardedParams.backward``, once every parameter and
+                         input gradient of the forward call is computed) deposit the
+                         gradients; after the last pending call: reshard and issue
+                         the reduce-scatter.
+  Phase 5  finalize      (root's end-of-backward callback) flush what never reached
+                         Phase 4, wait for reduce-scatters, write ``.grad``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._bucket import CommContext, FlatBucket
+from ._param import FSDPParam
+from ._tree import cast_floating, collect_tensors, map_tensors
+from .api import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from ._state import RootContext
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # outside forward and backward
+    FORWARD = auto()  # between pre_forward and post_forward of one of its modules
+    PRE_BACKWARD = auto()  # gathered for backward; gradients not all computed yet
+
+
+class ShardState(Enum):
+    SHARDED = auto()  # only the sharded flat buffers hold data
+    GATHERING = auto()  # all-gather issued, not waited for yet
+    UNSHARDED = auto()  # unsharded flat buffers hold the full parameters
+    PARTIAL = auto()  # after forward with an int reshard: W/N of the rows kept
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call, bucketed by dtype."""
+
+    def __init__(
+        self,
+        params: list[FSDPParam],
+        originals: list[torch.Tensor],
+        modules: list[nn.Module],
+        comm: CommContext,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | int | None,
+    ) -> None:
+        self.params = params
+        self.modules = modules
+        self.comm = comm
+        self.mp_policy = mp_policy
+        self.buckets: list[FlatBucket] = []
+        self._bucket_of: dict[int, FlatBucket] = {}
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(params):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        for dtype, idx in by_dtype.items():
+            compute = mp_policy.param_dtype if (mp_policy.param_dtype and dtype.is_floating_point) else dtype
+            reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and dtype.is_floating_point) else compute
+            bucket = FlatBucket(
+                [params[i] for i in idx], [originals[i] for i in idx], comm, device, compute, reduce
+            )
+            self.buckets.append(bucket)
+            for i in idx:
+                self._bucket_of[id(params[i])] = bucket
+        # Parameters each module of the group registers, for its own autograd node.
+        self.module_params: dict[int, list[FSDPParam]] = {}
+        for m in modules:
+            inside = {id(sub) for sub in m.modules()}
+            self.module_params[id(m)] = [
+                p for p in params if any(id(owner) in inside for owner, _ in p.owners)
+            ]
+        self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
+        self.reshard_after_forward: bool | int = True if reshard_after_forward is None else reshard_after_forward
+        self.partial_group: dist.ProcessGroup | None = None
+        self.partial_index = 0
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.gradient_divide_factor: float | None = None
+        self.is_last_backward = True
+        self.forward_prefetch: list[ParamGroup] | None = None  # explicit, overrides implicit
+        self.backward_prefetch: list[ParamGroup] | None = None
+        self.training_state = TrainingState.IDLE
+        self.shard_state = ShardState.SHARDED
+        self.pending_nodes = 0  # forward calls whose _UnshardedParams.backward has not run
+        self.order_index = -1  # position in the root's recorded forward order
+        self.ctx: RootContext | None = None
+        self._forwarded: set[int] = set()  # modules of the group done with forward this round
+        self._anchor = torch.empty(0, device=device if device.type != "meta" else "cpu", requires_grad=True)
+
+    # ------------------------------------------------------------ unshard/reshard
+    def unshard(self) -> None:
+        """Issue the all-gather (async); ``wait_for_unshard`` finishes it."""
+        if self.shard_state in (ShardState.GATHERING, ShardState.UNSHARDED):
+            return
+        self._check_materialized()
+        partial = self.partial_group if self.shard_state is ShardState.PARTIAL else None
+        for b in self.buckets:
+            b.start_all_gather(partial)
+        self.shard_state = ShardState.GATHERING
+
+    def wait_for_unshard(self) -> None:
+        if self.shard_state is ShardState.GATHERING:
+            for b in self.buckets:
+                b.finish_all_gather()
+            self.shard_state = ShardState.UNSHARDED
+        elif self.shard_state is not ShardState.UNSHARDED:
+            raise AssertionError(f"fsdp2 internal error: wait_for_unshard in state {self.shard_state}")
+
+    def reshard(self) -> None:
+        if self.shard_state is ShardState.SHARDED:
+            return
+        for b in self.buckets:
+            b.reshard()
+        self.shard_state = ShardState.SHARDED
+
+    def _reshard_after_forward(self) -> None:
+        value = self.reshard_after_forward
+        if value is True:
+            self.reshard()
+        elif value is not False and self.shard_state is ShardState.UNSHARDED:
+            for b in self.buckets:
+                b.reshard_partial(value, self.partial_index)
+            self.shard_state = ShardState.PARTIAL
+
+    def _check_materialized(self) -> None:
+        for b in self.buckets:
+            if b.sharded_flat.device.type == "meta":
+                fqns = ", ".join(p.fqn for p in b.params[:3])
+                raise RuntimeError(
+                    f"fsdp2: parameters ({fqns}, ...) are still on the meta device at forward; "
+                    "materialize them first with model.to_empty(device=...) and initialize them "
+                    "(e.g. reset_parameters() or load_state_dict)"
+                )
+
+    def rebind(self) -> None:
+        self.reshard()
+        for b in self.buckets:
+            b.rebind()
+
+    # -------------------------------------------------------------------- forward
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ctx = self.ctx
+        assert ctx is not None, "fsdp2 internal error: forward before lazy init"
+        recompute = ctx.in_backward  # activation checkpointing re-runs forward in backward
+        if not recompute:
+            self.training_state = TrainingState.FORWARD
+            ctx.record_forward(self)
+            for b in self.buckets:
+                b.refresh_reduce_layout()
+        self.unshard()
+        for target in ctx.forward_prefetch_targets(self):
+            target.unshard()
+        self.wait_for_unshard()
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        return self._register_unsharded(module, args, kwargs, counted=not recompute)
+
+    def _register_unsharded(
+        self, module: nn.Module, args: tuple, kwargs: dict, counted: bool
+    ) -> tuple[tuple, dict]:
+        params = self.module_params[id(module)]
+        inputs = collect_tensors((args, kwargs), _requires_grad) if torch.is_grad_enabled() else []
+        trainable = torch.is_grad_enabled() and any(p.sharded.requires_grad for p in params)  # type: ignore[union-attr]
+        if not (inputs or trainable):
+            for p in params:
+                p.register(self._bucket_of[id(p)].unsharded_views[p.bucket_index])
+            return args, kwargs
+        outs = _UnshardedParams.apply(self, id(module), counted, self._anchor, *inputs)
+        if counted:
+            self.pending_nodes += 1
+        for p, view in zip(params, outs):
+            p.register(view)
+        if inputs:
+            routed = dict(zip(map(id, inputs), outs[len(params) :]))
+            args, kwargs = map_tensors((args, kwargs), lambda t: routed.get(id(t), t))
+        return args, kwargs
+
+    def fresh_unsharded_views(self, module_key: int) -> list[torch.Tensor]:
+        """New view objects of the unsharded parameters, for one autograd node's outputs."""
+        views = []
+        for p in self.module_params[module_key]:
+            v = self._bucket_of[id(p)].unsharded_views[p.bucket_index]
+            views.append(v.view(v.shape))
+        return views
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        ctx = self.ctx
+        assert ctx is not None
+        for p in self.module_params[id(module)]:
+            p.register_sharded()
+        if ctx.in_backward:  # recompute: backward still needs the unsharded parameters
+            return output
+        self._forwarded.add(id(module))
+        if len(self._forwarded) == len(self.modules):
+            self._forwarded.clear()
+            self._reshard_after_forward()
+            self.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            tensors = collect_tensors(output, _requires_grad)
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+        if self.mp_policy.output_dtype is not None:
+            output = cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    # ------------------------------------------------------------------- backward
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.pre_backward()
+
+    def pre_backward(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        ctx.on_backward_start()
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        for target in ctx.backward_prefetch_targets(self):
+            target.unshard()
+        self.wait_for_unshard()
+
+    def post_backward_node(self, module_key: int, grads: tuple, counted: bool) -> None:
+        """``_UnshardedParams.backward``: gradients of one forward call are complete."""
+        if self.ctx is not None:
+            self.ctx.on_backward_start()
+        with torch.no_grad():
+            for p, g in zip(self.module_params[module_key], grads):
+                if g is not None:
+                    self._bucket_of[id(p)].deposit(p, g)
+        if counted:
+            self.pending_nodes -= 1
+            if self.pending_nodes <= 0:
+                self.post_backward()
+
+    def post_backward(self) -> None:
+        """Phase 4's end: reshard and issue this group's reduce-scatters."""
+        self.pending_nodes = 0
+        if self.reshard_after_backward:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        if not self.requires_gradient_sync:
+            return
+        for b in self.buckets:
+            if b.has_reduced_params():
+                b.start_reduce()
+                assert self.ctx is not None
+                self.ctx.add_pending_reduce(self, b)
+
+    def divide_factor(self) -> float:
+        return float(self.gradient_divide_factor or self.comm.world)
+
+    def reset(self) -> None:
+        """Forget this iteration: reshard, drop deposited gradients and pending work."""
+        for b in self.buckets:
+            b.drop_reduce_state()
+        self.shard_state = ShardState.UNSHARDED if self.shard_state is ShardState.GATHERING else self.shard_state
+        self.reshard()
+        for p in self.params:
+            p.register_sharded()
+        self.pending_nodes = 0
+        self._forwarded.clear()
+        self.training_state = TrainingState.IDLE
+
+
+def _requires_grad(t: torch.Tensor) -> bool:
+    return t.requires_grad
+
+
+class _UnshardedParams(torch.autograd.Function):
+    """Autograd node between the sharded world and one forward call of a module.
+
+    Outputs: fresh views of the unsharded parameters (frozen ones non-differentiable),
+    then the forward's inputs that require grad, passed through. Its backward runs once
+    all of them have their gradients, i.e. after the module's whole backward: no op of
+    the call can still read the unsharded parameters, so the group may reshard.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, group: ParamGroup, module_key: int, counted: bool, anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+        ctx.group, ctx.module_key, ctx.counted, ctx.n_inputs = group, module_key, counted, len(inputs)
+        ctx.set_materialize_grads(False)
+        views = group.fresh_unsharded_views(module_key)
+        frozen = [v for v, p in zip(views, group.module_params[module_key]) if not p.sharded.requires_grad]  # type: ignore[union-attr]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return (*views, *inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        n_params = len(grads) - ctx.n_inputs
+        ctx.group.post_backward_node(ctx.module_key, grads[:n_params], ctx.counted)
+        return (None, None, None, None, *grads[n_params:])

@@ -1,0 +1,79 @@
+"""One managed parameter: its sharded DTensor and where its data lives.
+
+An ``FSDPParam`` owns no storage. Its shard is a view into its bucket's sharded flat
+buffer (so the all-gather needs no copy-in) and its unsharded value is a view into the
+bucket's unsharded flat buffer. Sharding follows ``torch.chunk`` on dim 0: every rank
+holds ``chunk_rows`` rows in the flat layouts, the real rows first, then padding;
+trailing ranks may hold no real rows. 0-dim parameters cannot shard on dim 0: they are
+replicated (``Replicate()``) and their gradients are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+
+class FSDPParam:
+    """Shape bookkeeping of one parameter and its sharded ``nn.Parameter``."""
+
+    def __init__(
+        self,
+        fqn: str,
+        owners: list[tuple[nn.Module, str]],
+        param: torch.Tensor,
+        rank: int,
+        world: int,
+    ) -> None:
+        self.fqn = fqn
+        self.owners = owners  # every (module, attribute) registering this parameter (tied weights)
+        self.shape = param.shape
+        self.dtype = param.dtype
+        self.is_replicated = param.dim() == 0
+        rows = 1 if self.is_replicated else param.shape[0]
+        self.row_numel = math.prod(param.shape[1:])
+        self.chunk_rows = 1 if self.is_replicated else -(-rows // world)
+        start = 0 if self.is_replicated else rank * self.chunk_rows
+        self.local_rows = max(0, min(self.chunk_rows, rows - start))
+        self.row_start = start  # first global row this rank holds
+        self.shard_numel = 0 if self.is_replicated else self.chunk_rows * self.row_numel
+        self.local_shape = () if self.is_replicated else (self.local_rows, *param.shape[1:])
+        self.placements: tuple[Placement, ...] = (Replicate(),) if self.is_replicated else (Shard(0),)
+        self.stride = _contiguous_stride(tuple(param.shape))
+        self.offset = -1  # element offset of this shard in the bucket's per-rank section
+        self.rs_index = -1  # index among the bucket's reduced parameters; -1 when frozen
+        self.bucket_index = -1  # index in the bucket's parameter list
+        self.sharded: nn.Parameter | None = None
+
+    def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full (unsharded) value of this parameter."""
+        if self.is_replicated:
+            return full.reshape(())
+        return full[self.row_start : self.row_start + self.local_rows]
+
+    def to_dtensor(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """Wrap a local shard of this parameter as a DTensor of the full shape."""
+        return DTensor.from_local(
+            local, mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+    def register(self, value: torch.Tensor) -> None:
+        """Make ``value`` what every owner module sees under this parameter's name."""
+        for module, name in self.owners:
+            module._parameters[name] = value  # type: ignore[assignment]
+
+    def register_sharded(self) -> None:
+        assert self.sharded is not None, "fsdp2 internal error: parameter not sharded yet"
+        self.register(self.sharded)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))

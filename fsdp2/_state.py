@@ -1,0 +1,168 @@
+"""Hook registration, root lazy init and the end-of-backward callback."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from ._bucket import FlatBucket
+from ._group import ParamGroup, ShardState, TrainingState
+
+# Reduce-scatters allowed in flight before the oldest is waited for: bounds the
+# pooled reduce buffers alive at once while keeping communication overlapped.
+MAX_PENDING_REDUCES = 2
+
+
+class FSDPState:
+    """What one ``fully_shard``-ed module carries: its group and its hooks."""
+
+    def __init__(self, module: nn.Module, group: ParamGroup) -> None:
+        self.module = module
+        self.group = group
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward_hook, prepend=False),
+        ]
+
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self.pre_forward(args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self.post_forward(output)
+
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ctx = self.group.ctx
+        if ctx is None:
+            ctx = RootContext.lazy_init(self)
+        if ctx.root is self.group:
+            ctx.start_iteration()
+        ctx.active_forwards += 1
+        return self.group.pre_forward(self.module, args, kwargs)
+
+    def post_forward(self, output: Any) -> Any:
+        ctx = self.group.ctx
+        assert ctx is not None
+        ctx.active_forwards -= 1
+        output = self.group.post_forward(self.module, output)
+        if ctx.root is self.group and not ctx.in_backward:
+            ctx.end_forward()
+        return output
+
+
+class RootContext:
+    """State shared by every group under one root module for one training step."""
+
+    def __init__(self, root: ParamGroup, groups: list[ParamGroup]) -> None:
+        self.root = root
+        self.groups = groups
+        self.in_backward = False
+        self.active_forwards = 0  # pre_forwards without their post_forward yet
+        self.forward_order: list[ParamGroup] = []
+        self.order_frozen = False
+        self.pending_reduces: deque[tuple[ParamGroup, FlatBucket]] = deque()
+
+    @staticmethod
+    def lazy_init(state: FSDPState) -> RootContext:
+        """The first module to run forward is the root: it adopts every group below it."""
+        groups: list[ParamGroup] = []
+        for sub in state.module.modules():
+            sub_state = sub.__dict__.get("_fsdp2_state")
+            if sub_state is not None and sub_state.group not in groups and sub_state.group.ctx is None:
+                groups.append(sub_state.group)
+        ctx = RootContext(state.group, groups)
+        for g in groups:
+            g.ctx = ctx
+            if g.reshard_after_forward_arg is None:
+                # The root's parameters are needed first in backward: keep them.
+                g.reshard_after_forward = g is not state.group
+        return ctx
+
+    # ---------------------------------------------------------------- forward
+    def start_iteration(self) -> None:
+        """At the root's pre_forward: if the last forward or backward raised, start clean."""
+        if self.in_backward:
+            if _backward_interrupted(self):
+                self.reset()
+        elif self.active_forwards:
+            self.reset()
+
+    def record_forward(self, group: ParamGroup) -> None:
+        if not self.order_frozen and group.order_index < 0:
+            group.order_index = len(self.forward_order)
+            self.forward_order.append(group)
+
+    def end_forward(self) -> None:
+        """After the root's forward: the order is known; free prefetched, unused groups."""
+        self.order_frozen = True
+        for g in self.groups:
+            if (
+                g is not self.root
+                and g.training_state is TrainingState.IDLE
+                and g.reshard_after_forward is True
+                and g.shard_state is not ShardState.SHARDED
+            ):
+                g.reshard()
+
+    def forward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
+        if group.forward_prefetch is not None:
+            return group.forward_prefetch
+        i = group.order_index
+        if not self.order_frozen or i < 0 or i + 1 >= len(self.forward_order):
+            return []
+        return [self.forward_order[i + 1]]
+
+    def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
+        if group.backward_prefetch is not None:
+            return group.backward_prefetch
+        i = group.order_index
+        if i <= 0 or not self.order_frozen:
+            return []
+        target = self.forward_order[i - 1]
+        return [target] if target.pending_nodes > 0 else []
+
+    # --------------------------------------------------------------- backward
+    def on_backward_start(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def add_pending_reduce(self, group: ParamGroup, bucket: FlatBucket) -> None:
+        self.pending_reduces.append((group, bucket))
+        while len(self.pending_reduces) > MAX_PENDING_REDUCES:
+            g, b = self.pending_reduces.popleft()
+            b.finish_reduce(g.divide_factor())
+
+    def finalize_backward(self) -> None:
+        """Phase 5: runs once at the end of each backward over the root's graph."""
+        for g in self.groups:
+            if g.pending_nodes > 0:
+                g.post_backward()  # forward calls whose gradients never arrived
+        if self.root.is_last_backward:
+            while self.pending_reduces:
+                g, b = self.pending_reduces.popleft()
+                b.finish_reduce(g.divide_factor())
+        for g in self.groups:
+            if g.reshard_after_backward:
+                g.reshard()
+            g.training_state = TrainingState.IDLE
+        self.in_backward = False
+
+    def reset(self) -> None:
+        """Back to a clean step after an exception in forward or backward."""
+        self.pending_reduces.clear()
+        for g in self.groups:
+            g.reset()
+        self.in_backward = False
+        self.active_forwards = 0
+
+
+def _backward_interrupted(ctx: RootContext) -> bool:
+    """True when a backward started but its end-of-backward callback never ran."""
+    if not ctx.in_backward:
+        return False
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task_id is None or graph_task_id() == -1

@@ -1,0 +1,62 @@
+"""Frozen policy dataclasses: the knobs of ``fully_shard`` that are not the mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Module-level mixed precision.
+
+    Attributes:
+        param_dtype: dtype of the unsharded parameters, so of the all-gather and
+            of forward/backward compute. ``None`` keeps each parameter's dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter. ``None`` means
+            ``param_dtype`` (or the parameter's dtype when that is ``None`` too).
+        output_dtype: dtype that floating-point forward outputs are cast to.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+
+    Sharded parameters, gradients and optimizer state always keep the
+    original dtype: checkpoints never hold the low-precision copies.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(
+                    f"MixedPrecisionPolicy.{name} must be a torch.dtype or None, "
+                    f"got {type(value).__name__} {value!r}; pass e.g. torch.bfloat16"
+                )
+            if value is not None and not value.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{name} must be a floating-point dtype, got {value}"
+                )
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: the default of ``fully_shard(offload_policy=...)``."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients and optimizer state on the CPU.
+
+    Sharded parameters are copied to the mesh's device before each all-gather and
+    reduced gradients are copied back, so ``optimizer.step()`` runs on the CPU.
+    On a CPU mesh everything already lives on the CPU and this costs nothing.
+
+    Attributes:
+        pin_memory: pin the CPU shards so host/device copies can overlap compute.
+    """
+
+    pin_memory: bool = True

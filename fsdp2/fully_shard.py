@@ -1,0 +1,445 @@
+"""``fully_shard``: validate -> collect parameters -> build the group -> hooks -> swap class.
+
+Also the ``FSDPModule`` mixin that the swapped class gains, ``UnshardHandle`` and
+``register_fsdp_forward_method``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from . import _classes
+from ._bucket import CommContext
+from ._buffers import BufferPool
+from ._group import ParamGroup, ShardState
+from ._param import FSDPParam
+from ._state import FSDPState
+from .api import MixedPrecisionPolicy, OffloadPolicy
+
+# id(sharded parameter) -> its FSDPParam, for every parameter some fully_shard call
+# manages. Weak on our FSDPParam, not on the tensor: a weakref on a parameter makes
+# ``module._apply`` unable to swap it.
+_MANAGED: dict[int, weakref.ref[FSDPParam]] = {}
+# Sub-groups for int ``reshard_after_forward``: (mesh ranks, factor) -> (group, index).
+_PARTIAL_GROUPS: dict[tuple[tuple[int, ...], int], tuple[dist.ProcessGroup, int]] = {}
+_POOLS: dict[torch.device, BufferPool] = {}
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
+    """Shard ``module``'s parameters over ``mesh`` in place and return ``module``.
+
+    Parameters under ``module`` that no earlier (bottom-up) call manages form one
+    group: they are all-gathered in one collective before the module's forward and
+    their gradients reduce-scattered in one collective after its backward. Each
+    becomes an ``nn.Parameter`` holding a ``Shard(0)`` DTensor (0-dim ones a
+    ``Replicate()`` DTensor) under its original name. ``module``'s class is swapped
+    to a subclass of ``FSDPModule`` and of its original class.
+
+    Args:
+        module: a module, or a list of modules sharing one group.
+        mesh: 1D DeviceMesh; ``None`` means the default process group on the
+            default device type.
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward
+            (re-gathered in backward), ``False`` keeps them, an int ``N`` keeps
+            ``1/N`` of them so the backward all-gather runs over ``N`` ranks (a
+            divisor of the mesh size other than 1 and the size). ``None``: ``True``,
+            except ``False`` for the root module.
+        shard_placement_fn: may return ``None`` or ``Shard(0)`` per parameter.
+        mp_policy: mixed precision, see ``MixedPrecisionPolicy``.
+        offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()``.
+        ignored_params: parameters left plain: not sharded, not synchronized.
+    """
+    modules = _validate_modules(module)
+    mesh = _default_mesh() if mesh is None else mesh
+    _validate_mesh(mesh)
+    _validate_reshard_after_forward(reshard_after_forward, mesh)
+    _validate_policies(mp_policy, offload_policy, mesh)
+    ignored = _validate_ignored(ignored_params)
+    owners, fqns = _collect_params(modules, ignored)
+    params = list(owners)
+    _validate_params(params, fqns, shard_placement_fn)
+
+    device = _mesh_device(mesh)
+    comm = _comm_context(mesh, device)
+    fsdp_params = [FSDPParam(fqns[p], owners[p], p, comm.rank, comm.world) for p in params]
+    shard_device = torch.device("meta") if any(p.device.type == "meta" for p in params) else device
+    group = ParamGroup(fsdp_params, params, modules, comm, shard_device, mp_policy, reshard_after_forward)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        group.partial_group, group.partial_index = _partial_group(mesh, reshard_after_forward)
+    for fp in fsdp_params:
+        fp.register_sharded()
+        _MANAGED[id(fp.sharded)] = weakref.ref(fp)
+    for m in modules:
+        m.__dict__["_fsdp2_state"] = FSDPState(m, group)
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+# ---------------------------------------------------------------------- FSDPModule
+class FSDPModule:
+    """Mixin of every module ``fully_shard`` was applied to."""
+
+    _fsdp2_state: FSDPState
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(
+            "a fully_shard-ed module cannot be deep-copied: its parameters are shards tied to "
+            "process groups; deepcopy the model before calling fully_shard"
+        )
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a fully_shard-ed module cannot be pickled; save its state_dict() "
+            "(e.g. with torch.distributed.checkpoint) instead"
+        )
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters; with ``async_op`` return a handle to wait on."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"unshard(async_op=...) expects a bool, got {type(async_op).__name__}")
+        group = self._fsdp2_state.group
+        group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (a no-op when already sharded)."""
+        self._fsdp2_state.group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward or backward: reshard everything and drop
+        this iteration's gradients and pending communication."""
+        group = self._fsdp2_state.group
+        if group.ctx is not None:
+            group.ctx.reset()
+        for g in _groups_under(self):
+            g.reset()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step. When ``False``,
+        its reduce-scatters stay in flight and finish at the next last backward."""
+        _check_bool("set_is_last_backward", is_last_backward)
+        self._fsdp2_state.group.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False`` accumulates unsharded gradients locally without communication
+        (gradient accumulation); the next backward with ``True`` reduces the sum."""
+        _check_bool("set_requires_gradient_sync", requires_gradient_sync)
+        for g in self._target_groups(recurse):
+            g.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` (see ``fully_shard``) for later forwards."""
+        group = self._fsdp2_state.group
+        _validate_reshard_after_forward(reshard_after_forward, group.comm.mesh)
+        if reshard_after_forward is None:
+            raise ValueError("set_reshard_after_forward expects a bool or an int, got None")
+        partial = None
+        if not isinstance(reshard_after_forward, bool):
+            partial = _partial_group(group.comm.mesh, reshard_after_forward)
+        for g in self._target_groups(recurse):
+            g.reshard_after_forward = reshard_after_forward
+            g.reshard_after_forward_arg = reshard_after_forward
+            if partial is not None:
+                g.partial_group, g.partial_index = partial
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps parameters unsharded after backward (saves the next forward's
+        all-gather during gradient accumulation, at the cost of memory)."""
+        _check_bool("set_reshard_after_backward", reshard_after_backward)
+        for g in self._target_groups(recurse):
+            g.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters right after this module's, in forward."""
+        self._fsdp2_state.group.forward_prefetch = _prefetch_groups("set_modules_to_forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters right after this module's, in backward."""
+        self._fsdp2_state.group.backward_prefetch = _prefetch_groups("set_modules_to_backward_prefetch", modules)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the mesh size."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
+        for g in self._target_groups(True):
+            g.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def _target_groups(self, recurse: bool) -> list[ParamGroup]:
+        return _groups_under(self) if recurse else [self._fsdp2_state.group]
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``to_empty``/``to``/``double`` replace parameter data: re-point it at our storage.
+        group = self._fsdp2_state.group
+        group.reshard()
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        group.rebind()
+        return out
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def __init__(self, group: ParamGroup | None = None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None and self._group.shard_state is ShardState.GATHERING:
+            self._group.wait_for_unshard()
+        self._group = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` inside the same unshard/reshard hooks as ``forward``
+    (e.g. ``generate``). A no-op for modules ``fully_shard`` was not applied to."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
+    state = module._fsdp2_state
+    original = getattr(module, method_name).__func__
+
+    @functools.wraps(original)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(args, kwargs)
+        return state.post_forward(original(self, *args, **kwargs))
+
+    setattr(module, method_name, types.MethodType(wrapped, module))
+
+
+# --------------------------------------------------------------------- validation
+def _validate_modules(module: Any) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard expects a module or a non-empty list of modules, got an empty list")
+    seen: set[int] = set()
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module (or a list of them), got {type(m).__name__}")
+        if id(m) in seen:
+            raise ValueError(f"fully_shard got the same {type(m).__name__} twice in its list; pass each module once")
+        seen.add(id(m))
+        if "_fsdp2_state" in m.__dict__:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module, "
+                "bottom-up (blocks first, then the root)"
+            )
+    return modules
+
+
+def _validate_mesh(mesh: Any) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"fully_shard supports 1D meshes so far, got a {mesh.ndim}D mesh {mesh.mesh.shape}; "
+            "pass mesh[dim_name] for the data-parallel dimension"
+        )
+    if mesh.device_type != "meta" and mesh.get_coordinate() is None:
+        raise ValueError("this rank is not part of the mesh passed to fully_shard")
+
+
+def _validate_reshard_after_forward(value: Any, mesh: DeviceMesh) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward expects a bool, an int or None, got {type(value).__name__}")
+    world = mesh.size()
+    if not (1 < value < world and world % value == 0):
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the mesh size {world} and lie strictly between "
+            f"1 and {world}; use True (free all) or False (keep all) otherwise"
+        )
+
+
+def _validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> None:
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy expects a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy expects an OffloadPolicy, got {type(offload_policy).__name__}")
+    if type(offload_policy) is not OffloadPolicy and mesh.device_type != "cpu":
+        raise NotImplementedError("CPUOffloadPolicy on accelerator meshes is not implemented yet")
+
+
+def _validate_ignored(ignored_params: Any) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)):
+        raise TypeError(f"ignored_params expects a set of parameters, got {type(ignored_params).__name__}")
+    return {id(p) for p in ignored_params}
+
+
+def _validate_params(params: list[torch.Tensor], fqns: dict, placement_fn: Callable | None) -> None:
+    for p in params:
+        if isinstance(p, DTensor):
+            raise NotImplementedError(
+                f"parameter {fqns[p]} is already a DTensor; composing with tensor parallel is not implemented yet"
+            )
+        if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
+            raise ValueError(
+                f"parameter {fqns[p]} has dtype {p.dtype} and requires grad; only floating-point "
+                "parameters can require grad (set requires_grad=False or use a float dtype)"
+            )
+        if placement_fn is not None:
+            placement = placement_fn(p)
+            if placement is not None and placement != Shard(0):
+                raise NotImplementedError(
+                    f"shard_placement_fn returned {placement} for {fqns[p]}; only None or Shard(0) is supported"
+                )
+
+
+# ------------------------------------------------------------------ collection
+def _collect_params(
+    modules: list[nn.Module], ignored: set[int]
+) -> tuple[dict[torch.Tensor, list[tuple[nn.Module, str]]], dict[torch.Tensor, str]]:
+    """Parameters under ``modules`` not managed by an earlier call, with every
+    (module, name) that registers each, in ``named_parameters`` order."""
+    owners: dict[torch.Tensor, list[tuple[nn.Module, str]]] = {}
+    fqns: dict[torch.Tensor, str] = {}
+    for root in modules:
+        for module, prefix in _walk_unmanaged(root):
+            for name, p in module._parameters.items():
+                if p is None or id(p) in ignored:
+                    continue
+                other = _managed_by(p)
+                if other is not None:
+                    raise ValueError(
+                        f"parameter {prefix}{name} is also {other.fqn}, which an earlier fully_shard "
+                        "call manages; modules that share a parameter must be in one group: "
+                        "fully_shard([module_a, module_b]) or fully_shard on their common parent"
+                    )
+                slots = owners.setdefault(p, [])
+                if not any(m is module and n == name for m, n in slots):
+                    slots.append((module, name))
+                fqns.setdefault(p, prefix + name)
+    return owners, fqns
+
+
+def _managed_by(p: torch.Tensor) -> FSDPParam | None:
+    ref = _MANAGED.get(id(p))
+    fp = ref() if ref is not None else None
+    return fp if fp is not None and fp.sharded is p else None
+
+
+def _walk_unmanaged(module: nn.Module, prefix: str = "") -> Iterator[tuple[nn.Module, str]]:
+    yield module, prefix
+    for name, child in module._modules.items():
+        if child is not None and "_fsdp2_state" not in child.__dict__:
+            yield from _walk_unmanaged(child, f"{prefix}{name}.")
+
+
+# ------------------------------------------------------------------------ helpers
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise ValueError(
+            "fully_shard(mesh=None) needs torch.distributed initialized; call "
+            "dist.init_process_group(...) first (torchrun sets the environment) or pass a mesh"
+        )
+    backend = dist.get_backend()
+    device_type = "cpu" if backend == "gloo" else _accelerator_type()
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _accelerator_type() -> str:
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return acc.type if acc is not None else "cpu"
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type in ("cpu", "meta"):
+        return torch.device(mesh.device_type)
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def _comm_context(mesh: DeviceMesh, device: torch.device) -> CommContext:
+    group = mesh.get_group()
+    pool = _POOLS.setdefault(device, BufferPool())
+    by_all_reduce = dist.get_backend(group) == "gloo"
+    return CommContext(mesh, group, mesh.get_local_rank(), mesh.size(), pool, by_all_reduce)
+
+
+def _partial_group(mesh: DeviceMesh, factor: int) -> tuple[dist.ProcessGroup, int]:
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    key = (ranks, factor)
+    if key not in _PARTIAL_GROUPS:
+        blocks = [list(ranks[i : i + factor]) for i in range(0, len(ranks), factor)]
+        mine, _ = dist.new_subgroups_by_enumeration(blocks, backend=dist.get_backend(mesh.get_group()))
+        _PARTIAL_GROUPS[key] = (mine, mesh.get_local_rank() % factor)  # position in its block
+    return _PARTIAL_GROUPS[key]
+
+
+def _groups_under(module: nn.Module) -> list[ParamGroup]:
+    groups: list[ParamGroup] = []
+    for sub in module.modules():
+        state = sub.__dict__.get("_fsdp2_state")
+        if state is not None and state.group not in groups:
+            groups.append(state.group)
+    return groups
+
+
+def _prefetch_groups(method: str, modules: Any) -> list[ParamGroup]:
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"{method} expects a list of FSDPModule, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"{method} expects modules that fully_shard was applied to, got {type(m).__name__}; "
+                "call fully_shard on it first or leave it out"
+            )
+    return [m._fsdp2_state.group for m in modules]
+
+
+def _check_bool(method: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method} expects a bool, got {type(value).__name__} {value!r}")
+
+
+def _fsdp_class(cls: type) -> type:
+    """The generated ``FSDP<Name>`` subclass of ``(FSDPModule, cls)``, one per class,
+    registered in ``fsdp2._classes`` so that it has an importable name."""
+    if issubclass(cls, FSDPModule):
+        return cls
+    cached = _classes.generated.get(cls)
+    if cached is not None:
+        return cached
+    name = f"FSDP{cls.__name__}"
+    unique, n = name, 1
+    while hasattr(_classes, unique):
+        n += 1
+        unique = f"{name}_{n}"
+    new_cls = type(name, (FSDPModule, cls), {"__module__": _classes.__name__, "__qualname__": unique})
+    setattr(sys.modules[_classes.__name__], unique, new_cls)
+    _classes.generated[cls] = new_cls
+    return new_cls

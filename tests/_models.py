@@ -1,0 +1,87 @@
+"""Small models and helpers shared by the multi-process tests."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int, scalar_gate: bool = True) -> None:
+        super().__init__()
+        self.norm_weight = nn.Parameter(torch.ones(dim))
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.gate = nn.Parameter(torch.tensor(0.5) if scalar_gate else torch.full((1,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.norm_weight
+        return x + self.gate * self.fc2(torch.tanh(self.fc1(h)))
+
+
+class ToyModel(nn.Module):
+    """Embedding, blocks with uneven (7-row) weights and a 0-dim gate, an optional
+    ``extra`` layer (unused when ``use_extra=False``), a head tied to the embedding."""
+
+    def __init__(
+        self, vocab: int = 11, dim: int = 6, hidden: int = 7, n_blocks: int = 3,
+        tie: bool = True, scalar_gate: bool = True,
+    ) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden, scalar_gate) for _ in range(n_blocks))
+        self.extra = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        if use_extra:
+            x = self.extra(x)
+        return self.head(x)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2).float() if logits.dtype == torch.bfloat16 else logits.flatten(0, -2), targets.flatten())
+
+
+def impl(name: str) -> Any:
+    """The module that provides ``fully_shard``: ours or torch's (to keep tests honest)."""
+    return importlib.import_module("fsdp2" if name == "fsdp2" else "torch.distributed.fsdp")
+
+
+def batch(step: int, global_batch: int, seq: int = 5, vocab: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, vocab, (global_batch, seq), generator=g)
+    targets = torch.randint(0, vocab, (global_batch, seq), generator=g)
+    return ids, targets
+
+
+def local_rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's ``torch.chunk`` rows of ``full`` (empty for trailing ranks)."""
+    if full.dim() == 0:
+        return full
+    chunks = list(torch.chunk(full, world))
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def copy_full_into_sharded(model: nn.Module, full: dict[str, torch.Tensor], rank: int, world: int) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().copy_(local_rows(full[name], rank, world))
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
