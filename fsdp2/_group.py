@@ -209,7 +209,10 @@ class ParamGroup:
         self._forwarded.add(id(module))
         if len(self._forwarded) == len(self.modules):
             self._forwarded.clear()
-            self._reshard_after_forward()
+            if torch.is_grad_enabled():
+                self._reshard_after_forward()
+            else:
+                self.reshard()  # no backward follows a no-grad forward: keep nothing
             self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             tensors = collect_tensors(output, _requires_grad)

@@ -1,0 +1,218 @@
+"""Behaviours users rely on: eval, structured outputs, forward methods, explicit
+unshard, recovery after an exception, gradient accumulation knobs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+import fsdp2
+from _dist import run_ranks
+from _models import ToyModel, batch, full_params, loss_fn
+from fsdp2._group import ShardState, TrainingState
+
+
+def _groups(model: nn.Module) -> list:
+    return list({id(m._fsdp2_state.group): m._fsdp2_state.group for m in model.modules() if isinstance(m, fsdp2.FSDPModule)}.values())
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    for block in model.blocks:
+        fsdp2.fully_shard(block)
+    return fsdp2.fully_shard(model)
+
+
+def _eval_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = ToyModel().double()
+    model = _shard(copy.deepcopy(ref))
+    ids, _ = batch(0, 2)
+    with torch.no_grad():
+        got = model(ids)
+    want = ref(ids)
+    clean = all(
+        g.shard_state is ShardState.SHARDED and g.training_state is TrainingState.IDLE and g.pending_nodes == 0
+        for g in _groups(model)
+    )
+    registered_sharded = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    return {"match": torch.allclose(got, want, rtol=1e-12, atol=1e-12), "clean": clean, "sharded": registered_sharded}
+
+
+def test_eval_under_no_grad_leaves_no_state() -> None:
+    for out in run_ranks(_eval_worker, 2):
+        assert all(out.values()), out
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    extra: dict
+
+
+class StructuredBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> Out:
+        return Out(self.a(x), {"pair": (self.b(x), x.sum())})
+
+
+class StructuredModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = StructuredBlock()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        return (out.logits * self.scale + out.extra["pair"][0]).pow(2).mean()
+
+
+def _structured_worker(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    ref = StructuredModel().double()
+    model = copy.deepcopy(ref)
+    fsdp2.fully_shard(model.block)
+    fsdp2.fully_shard(model)
+    x = torch.randn(4 * world, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ref(x).backward()
+    model(x.chunk(world)[rank]).backward()
+    worst = 0.0
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item())
+    return worst
+
+
+def test_dataclass_and_dict_outputs_train() -> None:
+    assert max(run_ranks(_structured_worker, 2)) < 1e-12
+
+
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.proj.weight.t() * 2
+
+
+def _forward_method_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = Generator().double()
+    model = copy.deepcopy(ref)
+    fsdp2.fully_shard(model)  # generate() reads proj.weight directly: one group for all
+    fsdp2.register_fsdp_forward_method(model, "generate")
+    x = torch.randn(2, 4, dtype=torch.float64)
+    got = model.generate(x)
+    return {"match": torch.allclose(got, ref.generate(x)), "sharded_after": isinstance(model.proj.weight, torch.distributed.tensor.DTensor)}
+
+
+def test_register_fsdp_forward_method() -> None:
+    for out in run_ranks(_forward_method_worker, 2):
+        assert all(out.values()), out
+
+
+def _unshard_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = _shard(ToyModel())
+    block = model.blocks[0]
+    group = block._fsdp2_state.group
+    handle = block.unshard(async_op=True)
+    issued = group.shard_state is ShardState.GATHERING
+    assert isinstance(handle, fsdp2.UnshardHandle)
+    handle.wait()
+    gathered = group.shard_state is ShardState.UNSHARDED
+    full = group.buckets[0].unsharded_views[0].clone()
+    block.reshard()
+    freed = group.shard_state is ShardState.SHARDED and group.buckets[0].unsharded_bytes() == 0
+    sync_none = block.unshard() is None
+    block.reshard()
+    return {
+        "issued_async": issued,
+        "gathered": gathered,
+        "values": torch.equal(full, block.norm_weight.full_tensor()),
+        "freed": freed,
+        "sync_returns_none": sync_none,
+    }
+
+
+def test_explicit_unshard_and_reshard() -> None:
+    for out in run_ranks(_unshard_worker, 2):
+        assert all(out.values()), out
+
+
+class Flaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("injected failure")
+        return self.lin(x)
+
+
+def _recovery_worker(rank: int, world: int, explicit_reset: bool) -> float:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), Flaky(), nn.Linear(6, 6)).double()
+    model = copy.deepcopy(ref)
+    for m in model:
+        fsdp2.fully_shard(m)
+    fsdp2.fully_shard(model)
+    x = torch.randn(2 * world, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model[1].fail = True
+    try:
+        model(x.chunk(world)[rank]).sum().backward()
+    except RuntimeError as e:
+        assert "injected failure" in str(e)
+    model[1].fail = False
+    if explicit_reset:
+        model.reset_iter_state()
+    for m in _groups(model):
+        assert m.training_state is TrainingState.IDLE or not explicit_reset
+    model(x.chunk(world)[rank]).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    worst = 0.0
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item())
+    assert all(g.shard_state is ShardState.SHARDED for g in _groups(model))
+    return worst
+
+
+def test_recovery_after_exception_in_forward() -> None:
+    assert max(run_ranks(_recovery_worker, 2, True)) < 1e-12
+    assert max(run_ranks(_recovery_worker, 2, False)) < 1e-12  # automatic at the next forward
+
+
+def _reshard_after_backward_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = ToyModel().double()
+    model = _shard(copy.deepcopy(ref))
+    model.set_reshard_after_backward(False)
+    ids, tg = batch(0, 2 * world)
+    loss_fn(model(ids.chunk(world)[rank]), tg.chunk(world)[rank]).backward()
+    kept = all(g.shard_state is ShardState.UNSHARDED for g in _groups(model))
+    model.set_reshard_after_backward(True)
+    model.set_gradient_divide_factor(1.0)  # sum instead of mean
+    loss_fn(model(ids.chunk(world)[rank]), tg.chunk(world)[rank]).backward()
+    loss_fn(ref(ids), tg).backward()
+    # First backward averaged (divide by W), second summed: grad = g + W * g.
+    worst = max(
+        (p.grad.full_tensor() - q.grad * (1 + world)).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters())
+    )
+    return {"kept_unsharded": kept, "resharded": all(g.shard_state is ShardState.SHARDED for g in _groups(model)), "grad_ok": worst < 1e-12}
+
+
+def test_reshard_after_backward_and_divide_factor() -> None:
+    for out in run_ranks(_reshard_after_backward_worker, 2):
+        assert all(out.values()), out
