@@ -81,6 +81,7 @@ class FlatBucket:
             p.offset = offset + i
         self.shard_numel = offset  # S
         self._pending_gather: Pending | None = None
+        self._gather_buf: torch.Tensor | None = None  # pooled, owned until copied out
         self._gather_input: torch.Tensor | None = None  # kept alive until the gather is waited
         self._partial: torch.Tensor | None = None  # post-forward partial reshard (int)
         self._pending_reduce: Pending | None = None
@@ -107,7 +108,13 @@ class FlatBucket:
     def _allocate_unsharded(self) -> None:
         world = self.comm.world
         numel = world * self.shard_numel + len(self.scalars)
-        flat = torch.empty(numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
+        # On one rank without a dtype change both layouts coincide: the unsharded
+        # parameters are the shards themselves, and unshard/reshard do nothing.
+        self.gather_is_identity = world == 1 and self.compute_dtype == self.dtype
+        if self.gather_is_identity:
+            flat = self.sharded_flat
+        else:
+            flat = torch.empty(numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
         self._unsharded_numel = numel
         self.unsharded_flat = flat
         # Writes go through ``.data``, which has its own version counter: re-gathering
@@ -137,9 +144,12 @@ class FlatBucket:
         )
 
     def _free_unsharded(self) -> None:
-        self.unsharded_flat.untyped_storage().resize_(0)
+        if not self.gather_is_identity:
+            self.unsharded_flat.untyped_storage().resize_(0)
 
     def _alloc_unsharded(self) -> None:
+        if self.gather_is_identity:
+            return
         nbytes = self._unsharded_numel * self.unsharded_flat.element_size()
         if self.unsharded_flat.untyped_storage().nbytes() != nbytes:
             self.unsharded_flat.untyped_storage().resize_(nbytes)
@@ -180,7 +190,7 @@ class FlatBucket:
     # --------------------------------------------------------------- all-gather
     def start_all_gather(self, partial_group: dist.ProcessGroup | None) -> None:
         """Phase 1 of unshard: issue the all-gather (from the partial shard if kept)."""
-        if self.shard_numel == 0:
+        if self.shard_numel == 0 or self.gather_is_identity:
             return
         comm = self.comm
         if partial_group is not None and self._partial is not None:
@@ -190,12 +200,15 @@ class FlatBucket:
             if self.compute_dtype != self.dtype:
                 with record_function("fsdp2::cast_for_all_gather"):
                     source = source.to(self.compute_dtype)
-        output = comm.pool.acquire(comm.world * self.shard_numel, self.compute_dtype, source.device)
+        self._gather_buf = comm.pool.acquire(self._comm_numel(), self.compute_dtype, source.device)
+        output = self._gather_buf[: comm.world * self.shard_numel]
         self._gather_input = source
         self._pending_gather = all_gather_flat(source, output, group, async_op=True)
 
     def finish_all_gather(self) -> None:
         """Phase 2 of unshard: wait, then copy the gathered shards out parameter-major."""
+        if self.gather_is_identity:
+            return
         self._alloc_unsharded()
         if self.shard_numel > 0:
             assert self._pending_gather is not None, "fsdp2 internal error: no all-gather issued"
@@ -207,7 +220,8 @@ class FlatBucket:
                     dim=1,
                     out=self._copy_out,
                 )
-            self.comm.pool.release(output)
+            self.comm.pool.release(self._gather_buf)  # type: ignore[arg-type]
+            self._gather_buf = None
             self._pending_gather = None
             self._gather_input = None
         self._partial = None
@@ -277,9 +291,14 @@ class FlatBucket:
         layout = self.reduce_layout()
         if self._reduce_input is None:
             self._reduce_input = self.comm.pool.acquire(
-                self.comm.world * layout.numel, self.reduce_dtype, self.sharded_flat.device
+                self._comm_numel(), self.reduce_dtype, self.sharded_flat.device
             )
-        return self._reduce_input.view(self.comm.world, layout.numel)
+        return self._reduce_input[: self.comm.world * layout.numel].view(self.comm.world, layout.numel)
+
+    def _comm_numel(self) -> int:
+        """One size for this bucket's all-gather output and reduce input, so that with equal
+        dtypes the pool serves both from the same tensor."""
+        return self.comm.world * max(self.shard_numel, self.reduce_layout().numel)
 
     def deposit(self, p: FSDPParam, grad: torch.Tensor) -> None:
         """Add (or copy, if first) ``p``'s unsharded gradient into the reduce input."""
@@ -368,7 +387,8 @@ class FlatBucket:
             try:
                 wait_pending(self._pending_gather)
             finally:
-                self.comm.pool.release(self._pending_gather.result)
+                self.comm.pool.release(self._gather_buf)  # type: ignore[arg-type]
+                self._gather_buf = None
                 self._pending_gather = None
                 self._gather_input = None
 
@@ -384,7 +404,7 @@ def _accumulate_grad(p: FSDPParam, local: torch.Tensor, mesh: DeviceMesh) -> Non
     param = p.sharded
     assert param is not None
     if param.grad is None:
-        param.grad = p.to_dtensor(local, mesh)
+        param.grad = p.grad_dtensor(local, mesh)
     else:
         existing = param.grad
         (existing.to_local() if isinstance(existing, torch.distributed.tensor.DTensor) else existing).add_(local)

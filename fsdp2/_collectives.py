@@ -36,6 +36,9 @@ def all_gather_flat(
 ) -> Pending:
     """All-gather equal flat shards into ``output`` (``world * shard.numel()``), rank-major."""
     with record_function("fsdp2::all_gather"):
+        if output.numel() == shard.numel():  # a group of one rank: nothing to exchange
+            output.copy_(shard)
+            return Pending(None, output)
         work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
     return Pending(work if async_op else None, output)
 
@@ -54,6 +57,8 @@ def reduce_scatter_flat(
     (measured by tools/bench_collectives.py), though it moves more bytes.
     """
     with record_function("fsdp2::reduce_scatter"):
+        if input2d.shape[0] == 1:  # a group of one rank: the sum is the input
+            return Pending(None, input2d[0])
         if use_all_reduce:
             work = dist.all_reduce(input2d, group=group, async_op=async_op)
             return Pending(work if async_op else None, input2d[rank])

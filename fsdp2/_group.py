@@ -164,9 +164,11 @@ class ParamGroup:
             for b in self.buckets:
                 b.refresh_reduce_layout()
         self.unshard()
+        self.wait_for_unshard()
+        # Issued after our wait: the gather queue was busy with ours until now anyway,
+        # and the prefetch can take the buffer ours just released.
         for target in ctx.forward_prefetch_targets(self):
             target.unshard()
-        self.wait_for_unshard()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return self._register_unsharded(module, args, kwargs, counted=not recompute)
@@ -232,14 +234,18 @@ class ParamGroup:
         ctx.on_backward_start()
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()
-        for target in ctx.backward_prefetch_targets(self):
-            target.unshard()
         self.wait_for_unshard()
+        for target in ctx.backward_prefetch_targets(self):
+            target.unshard()  # overlaps this group's backward compute
 
     def post_backward_node(self, module_key: int, grads: tuple, counted: bool) -> None:
         """``_UnshardedParams.backward``: gradients of one forward call are complete."""
         if self.ctx is not None:
             self.ctx.on_backward_start()
+        if counted and self.pending_nodes <= 1 and self.reshard_after_backward:
+            self.reshard()  # nothing reads the parameters now: free them before the copy-in
+        if self.ctx is not None:
+            self.ctx.make_room_for_reduce()  # its buffer frees before ours is taken
         with torch.no_grad():
             for p, g in zip(self.module_params[module_key], grads):
                 if g is not None:

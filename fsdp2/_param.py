@@ -61,6 +61,14 @@ class FSDPParam:
             local, mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
+    def grad_dtensor(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """Like ``to_dtensor`` for a gradient, reusing the parameter's DTensor spec: this
+        runs for every parameter every step, and building a spec costs ~80 us."""
+        spec = getattr(self.sharded, "_spec", None)
+        if spec is None or spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
+            return self.to_dtensor(local, mesh)
+        return DTensor(local, spec, requires_grad=False)
+
     def register(self, value: torch.Tensor) -> None:
         """Make ``value`` what every owner module sees under this parameter's name."""
         for module, name in self.owners:

@@ -13,8 +13,9 @@ from ._bucket import FlatBucket
 from ._group import ParamGroup, ShardState, TrainingState
 
 # Reduce-scatters allowed in flight before the oldest is waited for: bounds the
-# pooled reduce buffers alive at once while keeping communication overlapped.
-MAX_PENDING_REDUCES = 2
+# pooled reduce buffers alive at once (each holds a full unsharded gradient) while
+# the newest still overlaps the next group's backward.
+MAX_PENDING_REDUCES = 1
 
 
 class FSDPState:
@@ -133,8 +134,17 @@ class RootContext:
     def add_pending_reduce(self, group: ParamGroup, bucket: FlatBucket) -> None:
         self.pending_reduces.append((group, bucket))
         while len(self.pending_reduces) > MAX_PENDING_REDUCES:
-            g, b = self.pending_reduces.popleft()
-            b.finish_reduce(g.divide_factor())
+            self._finish_oldest_reduce()
+
+    def make_room_for_reduce(self) -> None:
+        """Before a group deposits gradients: finish reduce-scatters beyond the allowed
+        number still in flight, so their buffers are free for the new one."""
+        while self.root.is_last_backward and len(self.pending_reduces) >= MAX_PENDING_REDUCES:
+            self._finish_oldest_reduce()
+
+    def _finish_oldest_reduce(self) -> None:
+        g, b = self.pending_reduces.popleft()
+        b.finish_reduce(g.divide_factor())
 
     def finalize_backward(self) -> None:
         """Phase 5: runs once at the end of each backward over the root's graph."""
@@ -143,8 +153,7 @@ class RootContext:
                 g.post_backward()  # forward calls whose gradients never arrived
         if self.root.is_last_backward:
             while self.pending_reduces:
-                g, b = self.pending_reduces.popleft()
-                b.finish_reduce(g.divide_factor())
+                self._finish_oldest_reduce()
         for g in self.groups:
             if g.reshard_after_backward:
                 g.reshard()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -63,12 +64,18 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAUL
     out: dict[int, Any] = {}
     errors: list[str] = []
     try:
+        deadline = time.monotonic() + timeout
         for _ in range(world_size):
-            try:
-                rank, ok, value = results.get(timeout=timeout)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                raise RankError(f"ranks did not report within {timeout}s (dead ranks: {dead})") from None
+            while True:
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RankError(f"ranks {dead} died without reporting") from None
+                    if time.monotonic() > deadline:
+                        raise RankError(f"ranks did not report within {timeout}s") from None
             if ok:
                 out[rank] = value
             else:

@@ -1,0 +1,165 @@
+"""The communication schedule: how many collectives, how many bytes, and that
+prefetching really issues all-gathers ahead of the compute that needs them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import fsdp2
+from _comm import CommCounter
+from _dist import run_ranks
+from _models import ToyModel, batch, loss_fn
+from fsdp2._group import ShardState
+
+N_BLOCKS = 3
+
+
+def _shard(model: ToyModel, **kwargs: object) -> ToyModel:
+    for block in model.blocks:
+        fsdp2.fully_shard(block, **kwargs)
+    return fsdp2.fully_shard(model, **kwargs)
+
+
+def _group(module: nn.Module):  # noqa: ANN202
+    return module._fsdp2_state.group
+
+
+def _padded_bytes(group, world: int) -> tuple[int, int]:  # noqa: ANN001
+    """(all-gather output bytes, reduce input bytes) of one group, from its layout."""
+    gather = sum(world * b.shard_numel * torch.finfo(b.compute_dtype).bits // 8 for b in group.buckets)
+    reduce = sum(world * b.reduce_layout().numel * torch.finfo(b.reduce_dtype).bits // 8 for b in group.buckets)
+    return gather, reduce
+
+
+def _count_worker(rank: int, world: int, reshard: bool) -> dict:
+    torch.manual_seed(0)
+    model = _shard(ToyModel(n_blocks=N_BLOCKS), reshard_after_forward=reshard)
+    ids, targets = batch(0, 2 * world)
+    loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()  # warm-up
+    with CommCounter().active() as counter:
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    groups = [_group(b) for b in model.blocks] + [_group(model)]
+    sizes = [_padded_bytes(g, world) for g in groups]
+    return {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "sizes": sizes}
+
+
+def test_one_all_gather_per_unshard_one_reduce_per_group() -> None:
+    for reshard in (True, False):
+        for out in run_ranks(_count_worker, 2, reshard):
+            block_gather = sum(g for g, _ in out["sizes"][:N_BLOCKS])
+            root_gather = out["sizes"][-1][0]
+            reduce_bytes = sum(r for _, r in out["sizes"])
+            # Forward gathers every group once; backward re-gathers the resharded blocks
+            # (the root is kept: reshard_after_forward=True applies to it explicitly here).
+            regathers = N_BLOCKS + 1 if reshard else 0
+            assert out["calls"]["all_gather"] == N_BLOCKS + 1 + regathers, out
+            assert out["calls"]["reduce"] == N_BLOCKS + 1, out
+            expected_gather = block_gather + root_gather + (block_gather + root_gather if reshard else 0)
+            assert out["bytes"]["all_gather"] == expected_gather, out
+            assert out["bytes"]["reduce"] == reduce_bytes, out
+
+
+def _bytes_vs_torch_worker(rank: int, world: int) -> dict:
+    import torch.distributed.fsdp as torch_fsdp
+
+    out = {}
+    for name, lib in (("fsdp2", fsdp2), ("torch", torch_fsdp)):
+        torch.manual_seed(0)
+        model = ToyModel(n_blocks=N_BLOCKS, scalar_gate=False)
+        for block in model.blocks:
+            lib.fully_shard(block)
+        lib.fully_shard(model)
+        ids, targets = batch(0, 2 * world)
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+        with CommCounter().active() as counter:
+            loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+        out[name] = (dict(counter.calls), dict(counter.bytes))
+    return out
+
+
+def test_no_more_collectives_or_gather_bytes_than_torch() -> None:
+    out = run_ranks(_bytes_vs_torch_worker, 2)[0]
+    (ours_calls, ours_bytes), (torch_calls, torch_bytes) = out["fsdp2"], out["torch"]
+    assert ours_calls == torch_calls, out
+    assert ours_bytes["all_gather"] <= torch_bytes["all_gather"], out
+    # Reduce input: the same padded gradients plus one "used" flag per parameter.
+    n_flags = sum(1 for _ in ToyModel(n_blocks=N_BLOCKS).parameters())
+    assert ours_bytes["reduce"] <= torch_bytes["reduce"] + 2 * n_flags * 4, out
+
+
+def _prefetch_worker(rank: int, world: int, explicit: bool) -> dict:
+    torch.manual_seed(0)
+    model = _shard(ToyModel(n_blocks=4))
+    blocks = list(model.blocks)
+    if explicit:
+        for i, block in enumerate(blocks[:-2]):
+            block.set_modules_to_forward_prefetch([blocks[i + 2]])
+        for i, block in enumerate(blocks[2:], start=2):
+            block.set_modules_to_backward_prefetch([blocks[i - 2]])
+    seen_forward: list[tuple[int, str, int]] = []
+    seen_backward: list[tuple[int, str]] = []
+
+    def forward_probe(i: int):  # noqa: ANN202
+        def hook(module: nn.Module, args: tuple) -> None:
+            ahead = i + (2 if explicit else 1)
+            state = _group(blocks[ahead]).shard_state.name if ahead < len(blocks) else "-"
+            alive = sum(_group(b).shard_state is not ShardState.SHARDED for b in blocks)
+            seen_forward.append((i, state, alive))
+            if torch.is_grad_enabled():
+                args[0].register_hook(lambda g: seen_backward.append((i, backward_state(i))))
+
+        return hook
+
+    def backward_state(i: int) -> str:
+        behind = i - (2 if explicit else 1)
+        return _group(blocks[behind]).shard_state.name if behind >= 0 else "-"
+
+    for i, block in enumerate(blocks):
+        block.fc1.register_forward_pre_hook(forward_probe(i))
+    ids, targets = batch(0, 2 * world)
+    for step in range(2):  # the first step records the order, the second prefetches
+        seen_forward.clear()
+        seen_backward.clear()
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    return {"forward": seen_forward, "backward": seen_backward}
+
+
+def test_implicit_prefetch_issues_ahead_and_bounds_memory() -> None:
+    for out in run_ranks(_prefetch_worker, 2, False):
+        fwd = {i: (state, alive) for i, state, alive in out["forward"]}
+        for i in range(3):
+            assert fwd[i][0] in ("GATHERING", "UNSHARDED"), out  # block i+1 already issued
+        assert all(alive <= 2 for _, alive in fwd.values()), out  # current + prefetched
+        bwd = dict(out["backward"])
+        for i in (1, 2, 3):
+            assert bwd[i] in ("GATHERING", "UNSHARDED"), out  # block i-1 issued during block i
+
+
+def test_explicit_prefetch_overrides_order() -> None:
+    for out in run_ranks(_prefetch_worker, 2, True):
+        fwd = {i: state for i, state, _ in out["forward"]}
+        assert fwd[0] in ("GATHERING", "UNSHARDED") and fwd[1] in ("GATHERING", "UNSHARDED"), out
+        bwd = dict(out["backward"])
+        assert bwd[2] in ("GATHERING", "UNSHARDED") and bwd[3] in ("GATHERING", "UNSHARDED"), out
+
+
+def _pool_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = _shard(ToyModel(n_blocks=4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pool = _group(model).comm.pool
+    ids, targets = batch(0, 2 * world)
+    counts = []
+    for _ in range(4):
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(pool.allocations)
+    return {"counts": counts}
+
+
+def test_steady_state_allocates_no_communication_buffers() -> None:
+    for out in run_ranks(_pool_worker, 2):
+        counts = out["counts"]
+        assert counts[1] == counts[2] == counts[3], counts

@@ -1,0 +1,165 @@
+"""fsdp2 vs torch's fully_shard, side by side in one invocation.
+
+    python tools/bench.py                 # all three models
+    python tools/bench.py --model deep    # one of: deep, wide, big, local
+
+* deep / wide (world 2): both implementations are built in the same processes from the
+  same weights and stepped alternately (A/B/B/A...), so machine noise hits both alike.
+  Prints the median step time (forward + backward + AdamW), collectives and bytes per
+  step, and fsdp2/torch ratios.
+* big (~100M parameters, world 4): peak memory per rank (max over ranks) above the
+  process baseline, each implementation in its own processes (a process' peak RSS cannot
+  be split between two models), built on the meta device so no full copy inflates it.
+* local (world 1): fsdp2 against plain local training of the same model.
+
+Collectives are counted by wrapping the ``torch.distributed`` functions both libraries
+call; bytes are the logical payload: all-gather output, reduce-scatter input (fsdp2 on
+gloo reduces with an all-reduce of the same buffer, which moves about twice the bytes
+on the wire: see tools/bench_collectives.py for why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]
+
+from _comm import CommCounter  # noqa: E402
+from _dist import run_ranks  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+MODELS = {
+    "deep": dict(args=ModelArgs(vocab_size=256, dim=64, n_layers=32, n_heads=4, hidden_dim=172, max_seq_len=32), batch=2, seq=32, world=2),
+    "wide": dict(args=ModelArgs(vocab_size=1024, dim=512, n_layers=4, n_heads=8, hidden_dim=1376, max_seq_len=64), batch=2, seq=64, world=2),
+    "big": dict(args=ModelArgs(vocab_size=8192, dim=768, n_layers=12, n_heads=12, hidden_dim=2048, max_seq_len=64), batch=1, seq=64, world=4),
+    "local": dict(args=ModelArgs(vocab_size=256, dim=64, n_layers=8, n_heads=4, hidden_dim=172, max_seq_len=32), batch=4, seq=32, world=1),
+}
+FOREACH = os.environ.get("BENCH_FOREACH", "0") == "1"
+
+
+def build(lib_name: str, spec: dict, meta: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    with torch.device("meta" if meta else "cpu"):
+        model = Transformer(spec["args"])
+    if lib_name != "local":
+        if lib_name == "fsdp2":
+            import fsdp2 as lib
+        else:
+            import torch.distributed.fsdp as lib  # type: ignore[no-redef]
+        for layer in model.layers:
+            lib.fully_shard(layer)
+        lib.fully_shard(model)
+    if meta:
+        model.to_empty(device="cpu")
+    model.init_weights(0)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=FOREACH or None)
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _speed_worker(rank: int, world: int, name: str, libs: list[str], steps: int, warmup: int) -> dict:
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    built = {lib: build(lib, spec) for lib in libs}
+    gen = torch.Generator().manual_seed(rank)
+    times: dict[str, list[float]] = {lib: [] for lib in libs}
+    losses: dict[str, list[float]] = {lib: [] for lib in libs}
+    for i in range(warmup + steps):
+        tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
+        order = libs if i % 2 == 0 else libs[::-1]
+        for lib in order:
+            if world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            losses[lib].append(step(*built[lib], tokens))
+            if i >= warmup:
+                times[lib].append(time.perf_counter() - start)
+    comms = {}
+    for lib in libs:
+        tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
+        with CommCounter().active() as counter:
+            step(*built[lib], tokens)
+        comms[lib] = (dict(counter.calls), dict(counter.bytes))
+    return {"times": times, "comms": comms, "losses": losses}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _memory_worker(rank: int, world: int, name: str, lib: str, steps: int) -> float:
+    spec = MODELS[name]
+    base = _rss_mb()
+    model, opt = build(lib, spec, meta=True)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        step(model, opt, torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+
+
+def bench_speed(name: str, steps: int, warmup: int) -> None:
+    spec = MODELS[name]
+    libs = ["local", "fsdp2"] if name == "local" else ["torch", "fsdp2"]
+    results = run_ranks(_speed_worker, spec["world"], name, libs, steps, warmup, timeout=1800)
+    n_params = sum(p.numel() for p in Transformer(spec["args"]).parameters())
+    print(f"\n== {name}: {n_params / 1e6:.2f}M params, {spec['args'].n_layers} blocks of width {spec['args'].dim}, world {spec['world']}, {steps} steps")
+    med = {lib: statistics.median(t for r in results for t in r["times"][lib]) * 1e3 for lib in libs}
+    base = libs[0]
+    for lib in libs:
+        calls, nbytes = results[0]["comms"][lib]
+        comm = ", ".join(f"{k} {calls[k]} calls {nbytes[k] / 2**20:.2f} MiB" for k in sorted(calls)) or "none"
+        print(f"  {lib:6s} median step {med[lib]:8.2f} ms | per step: {comm}")
+    ratio = med["fsdp2"] / med[base]
+    print(f"  ratio fsdp2/{base} step time: {ratio:.3f}")
+    same = all(abs(a - b) < 1e-4 for r in results for a, b in zip(r["losses"][base], r["losses"]["fsdp2"]))
+    print(f"  losses agree with {base}: {same}")
+
+
+def bench_memory(name: str, steps: int) -> None:
+    spec = MODELS[name]
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # fixed threshold: RSS follows live tensors
+    peaks = {}
+    for lib in ("torch", "fsdp2"):
+        peaks[lib] = max(run_ranks(_memory_worker, spec["world"], name, lib, steps, timeout=1800))
+    n_params = sum(p.numel() for p in Transformer(copy.deepcopy(spec["args"])).parameters())
+    print(f"\n== {name}: {n_params / 1e6:.1f}M params, world {spec['world']}, AdamW, {steps} steps")
+    for lib, mb in peaks.items():
+        print(f"  {lib:6s} peak memory above baseline (max over ranks): {mb:8.1f} MiB")
+    print(f"  ratio fsdp2/torch peak memory: {peaks['fsdp2'] / peaks['torch']:.3f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["deep", "wide", "big", "local", "all"], default="all")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    names = ["deep", "wide", "local", "big"] if args.model == "all" else [args.model]
+    for name in names:
+        if name == "big":
+            bench_memory(name, steps=3)
+        else:
+            bench_speed(name, args.steps, args.warmup)
+
+
+if __name__ == "__main__":
+    main()
