@@ -71,6 +71,7 @@ class FlatBucket:
         self.dtype = params[0].dtype
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
+        self.name = f"group [{self.dtype}]"  # for messages; the group renames it at lazy init
         self.sharded_params = [p for p in params if not p.is_replicated]
         self.scalars = [p for p in params if p.is_replicated]
         offset = 0
@@ -87,6 +88,7 @@ class FlatBucket:
         self._pending_reduce: Pending | None = None
         self._reduce_input: torch.Tensor | None = None  # pooled, owned until reduced
         self._deposited: list[bool] = []
+        self._ready_grads: list[tuple[FSDPParam, torch.Tensor]] = []  # reduced, not yet in .grad
         self._layout: ReduceLayout | None = None
         self._layout_key: tuple[bool, ...] = ()
         self._allocate_sharded(originals, device)
@@ -203,7 +205,9 @@ class FlatBucket:
         self._gather_buf = comm.pool.acquire(self._comm_numel(), self.compute_dtype, source.device)
         output = self._gather_buf[: comm.world * self.shard_numel]
         self._gather_input = source
-        self._pending_gather = all_gather_flat(source, output, group, async_op=True)
+        self._pending_gather = all_gather_flat(
+            source, output, group, async_op=True, label=f"all-gather of {self.name}"
+        )
 
     def finish_all_gather(self) -> None:
         """Phase 2 of unshard: wait, then copy the gathered shards out parameter-major."""
@@ -343,14 +347,15 @@ class FlatBucket:
             buf[:, layout.grad_numel : scalar_base].copy_(flags)
         comm = self.comm
         self._pending_reduce = reduce_scatter_flat(
-            buf, comm.group, comm.rank, comm.reduce_by_all_reduce, async_op=True
+            buf, comm.group, comm.rank, comm.reduce_by_all_reduce, async_op=True,
+            label=f"reduce-scatter of {self.name}",
         )
 
     def has_pending_reduce(self) -> bool:
         return self._pending_reduce is not None
 
     def finish_reduce(self, divide_factor: float) -> None:
-        """Wait for the reduce-scatter and accumulate the sharded gradients into ``.grad``."""
+        """Wait for the reduce-scatter and stage the sharded gradients for ``commit_grads``."""
         assert self._pending_reduce is not None, "fsdp2 internal error: no reduce-scatter issued"
         layout = self.reduce_layout()
         result = wait_pending(self._pending_reduce)
@@ -367,13 +372,21 @@ class FlatBucket:
             for p, off in zip(layout.params, layout.offsets):
                 if used[p.rs_index] > 0:
                     local = grads[off : off + p.local_rows * p.row_numel].view(p.local_shape)
-                    _accumulate_grad(p, local, self.comm.mesh)
+                    self._ready_grads.append((p, local))
             for i, p in enumerate(layout.scalars):
                 if used[p.rs_index] > 0:
-                    _accumulate_grad(p, scalar_vals[i].view(()), self.comm.mesh)
+                    self._ready_grads.append((p, scalar_vals[i].view(())))
+
+    def commit_grads(self) -> None:
+        """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
+        that completed, so a backward that raised leaves ``.grad`` as it was."""
+        for p, local in self._ready_grads:
+            _accumulate_grad(p, local, self.comm.mesh)
+        self._ready_grads.clear()
 
     def drop_reduce_state(self) -> None:
         """Forget deposited gradients and any reduce-scatter (after an exception)."""
+        self._ready_grads.clear()
         if self._pending_reduce is not None:
             try:
                 wait_pending(self._pending_reduce)

@@ -2,15 +2,25 @@
 
 Every function takes its tensors and process group explicitly, labels itself for the
 profiler, and returns a NamedTuple; none of them keeps state or reads a caller's fields.
+
+Debug mode (``FSDP2_DEBUG_COLLECTIVES=1``): before each collective, the ranks exchange
+what they are about to issue (operation, group name, element count) and every rank
+raises a ``RuntimeError`` showing the difference if they disagree, instead of hanging
+or silently mixing up data (e.g. when a data-dependent branch runs different groups).
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("FSDP2_DEBUG_COLLECTIVES", "0") not in ("", "0")
 
 
 class Pending(NamedTuple):
@@ -21,26 +31,49 @@ class Pending(NamedTuple):
 
     work: dist.Work | None
     result: torch.Tensor
+    label: str
 
 
 def wait_pending(pending: Pending) -> torch.Tensor:
     """Block until the collective finished; then its result may be read."""
     if pending.work is not None:
         with record_function("fsdp2::wait"):
-            pending.work.wait()
+            try:
+                pending.work.wait()
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"fsdp2: {pending.label} did not complete: {e}. If it timed out, the ranks "
+                    "probably ran different groups (e.g. a data-dependent branch); rerun with "
+                    "FSDP2_DEBUG_COLLECTIVES=1 to see where they diverge"
+                ) from e
     return pending.result
 
 
+def check_same_collective(group: dist.ProcessGroup, label: str, numel: int) -> None:
+    """Debug mode: raise on every rank if the ranks are about to issue different collectives."""
+    mine = (label, numel)
+    everyone: list[tuple[str, int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(other != mine for other in everyone):
+        lines = "\n".join(f"  rank {r}: {lbl} ({n} elements)" for r, (lbl, n) in enumerate(everyone))  # type: ignore[misc]
+        raise RuntimeError(
+            "fsdp2: ranks disagree on the next collective:\n" + lines + "\nEvery rank must run the "
+            "same fully_shard modules in the same order each step (check data-dependent branches)"
+        )
+
+
 def all_gather_flat(
-    shard: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    shard: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup, async_op: bool, label: str
 ) -> Pending:
     """All-gather equal flat shards into ``output`` (``world * shard.numel()``), rank-major."""
     with record_function("fsdp2::all_gather"):
         if output.numel() == shard.numel():  # a group of one rank: nothing to exchange
             output.copy_(shard)
-            return Pending(None, output)
+            return Pending(None, output, label)
+        if debug_enabled():
+            check_same_collective(group, label, output.numel())
         work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
-    return Pending(work if async_op else None, output)
+    return Pending(work if async_op else None, output, label)
 
 
 def reduce_scatter_flat(
@@ -49,6 +82,7 @@ def reduce_scatter_flat(
     rank: int,
     use_all_reduce: bool,
     async_op: bool,
+    label: str,
 ) -> Pending:
     """Sum ``input2d`` (``world x n``) over ranks; the result is this rank's row.
 
@@ -58,10 +92,12 @@ def reduce_scatter_flat(
     """
     with record_function("fsdp2::reduce_scatter"):
         if input2d.shape[0] == 1:  # a group of one rank: the sum is the input
-            return Pending(None, input2d[0])
+            return Pending(None, input2d[0], label)
+        if debug_enabled():
+            check_same_collective(group, label, input2d.numel())
         if use_all_reduce:
             work = dist.all_reduce(input2d, group=group, async_op=async_op)
-            return Pending(work if async_op else None, input2d[rank])
+            return Pending(work if async_op else None, input2d[rank], label)
         output = torch.empty(input2d.shape[1], dtype=input2d.dtype, device=input2d.device)
         work = dist.reduce_scatter_single(output, input2d, group=group, async_op=async_op)
-        return Pending(work if async_op else None, output)
+        return Pending(work if async_op else None, output, label)

@@ -85,6 +85,7 @@ class ParamGroup:
             self.module_params[id(m)] = [
                 p for p in params if any(id(owner) in inside for owner, _ in p.owners)
             ]
+        self.set_name(type(modules[0]).__name__)
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
         self.reshard_after_forward: bool | int = True if reshard_after_forward is None else reshard_after_forward
         self.partial_group: dist.ProcessGroup | None = None
@@ -102,6 +103,12 @@ class ParamGroup:
         self.ctx: RootContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
         self._anchor = torch.empty(0, device=device if device.type != "meta" else "cpu", requires_grad=True)
+
+    def set_name(self, name: str) -> None:
+        """Name used in messages: the module's FQN under the root, once known."""
+        self.name = name
+        for b in self.buckets:
+            b.name = f"group '{name}' [{b.dtype}]"
 
     # ------------------------------------------------------------ unshard/reshard
     def unshard(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from typing import Any
 
@@ -26,14 +27,24 @@ class FSDPState:
         self.group = group
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward_hook, prepend=False),
+            module.register_forward_hook(self._post_forward_hook, prepend=False, always_call=True),
         ]
 
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return self.pre_forward(args, kwargs)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if output is None and sys.exc_info()[1] is not None:
+            self.on_forward_exception()  # ``always_call``: forward raised
+            return None
         return self.post_forward(output)
+
+    def on_forward_exception(self) -> None:
+        """Forward raised: show the sharded parameters again; reset at the next forward."""
+        for p in self.group.module_params[id(self.module)]:
+            p.register_sharded()
+        if self.group.ctx is not None:
+            self.group.ctx.needs_reset = True
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.group.ctx
@@ -61,6 +72,7 @@ class RootContext:
         self.root = root
         self.groups = groups
         self.in_backward = False
+        self.needs_reset = False  # a forward raised: reset at the next root forward
         self.active_forwards = 0  # pre_forwards without their post_forward yet
         self.forward_order: list[ParamGroup] = []
         self.order_frozen = False
@@ -75,8 +87,10 @@ class RootContext:
             if sub_state is not None and sub_state.group not in groups and sub_state.group.ctx is None:
                 groups.append(sub_state.group)
         ctx = RootContext(state.group, groups)
+        fqns = {id(m): name for name, m in state.module.named_modules()}
         for g in groups:
             g.ctx = ctx
+            g.set_name(", ".join(fqns.get(id(m)) or "<root>" for m in g.modules))
             if g.reshard_after_forward_arg is None:
                 # The root's parameters are needed first in backward: keep them.
                 g.reshard_after_forward = g is not state.group
@@ -88,7 +102,7 @@ class RootContext:
         if self.in_backward:
             if _backward_interrupted(self):
                 self.reset()
-        elif self.active_forwards:
+        elif self.active_forwards or self.needs_reset:
             self.reset()
 
     def record_forward(self, group: ParamGroup) -> None:
@@ -155,6 +169,8 @@ class RootContext:
             while self.pending_reduces:
                 self._finish_oldest_reduce()
         for g in self.groups:
+            for b in g.buckets:
+                b.commit_grads()
             if g.reshard_after_backward:
                 g.reshard()
             g.training_state = TrainingState.IDLE
@@ -166,6 +182,7 @@ class RootContext:
         for g in self.groups:
             g.reset()
         self.in_backward = False
+        self.needs_reset = False
         self.active_forwards = 0
 
 

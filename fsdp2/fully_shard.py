@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _classes
 from ._bucket import CommContext
@@ -31,6 +32,10 @@ from .api import MixedPrecisionPolicy, OffloadPolicy
 # manages. Weak on our FSDPParam, not on the tensor: a weakref on a parameter makes
 # ``module._apply`` unable to swap it.
 _MANAGED: dict[int, weakref.ref[FSDPParam]] = {}
+# id(original parameter) -> (weak ref to it, its FQN) for parameters fully_shard replaced:
+# an optimizer still holding one was created too early (checked at optimizer.step()).
+_REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+_OPTIMIZER_HOOK: list[Any] = []
 # Sub-groups for int ``reshard_after_forward``: (mesh ranks, factor) -> (group, index).
 _PARTIAL_GROUPS: dict[tuple[tuple[int, ...], int], tuple[dist.ProcessGroup, int]] = {}
 _POOLS: dict[torch.device, BufferPool] = {}
@@ -90,9 +95,12 @@ def fully_shard(
     group = ParamGroup(fsdp_params, params, modules, comm, shard_device, mp_policy, reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         group.partial_group, group.partial_index = _partial_group(mesh, reshard_after_forward)
-    for fp in fsdp_params:
+    for fp, original in zip(fsdp_params, params):
         fp.register_sharded()
-        _MANAGED[id(fp.sharded)] = weakref.ref(fp)
+        _remember(_MANAGED, id(fp.sharded), weakref.ref(fp))
+        _remember(_REPLACED, id(original), (weakref.ref(original), fp.fqn))
+    if not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer_params))
     for m in modules:
         m.__dict__["_fsdp2_state"] = FSDPState(m, group)
         m.__class__ = _fsdp_class(type(m))
@@ -146,7 +154,13 @@ class FSDPModule:
         """Whether the next backward is the last before the optimizer step. When ``False``,
         its reduce-scatters stay in flight and finish at the next last backward."""
         _check_bool("set_is_last_backward", is_last_backward)
-        self._fsdp2_state.group.is_last_backward = is_last_backward
+        group = self._fsdp2_state.group
+        if group.ctx is not None and group.ctx.root is not group:
+            raise RuntimeError(
+                "set_is_last_backward must be called on the root module (the outermost module "
+                f"fully_shard was applied to), not on {type(self).__name__}"
+            )
+        group.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False`` accumulates unsharded gradients locally without communication
@@ -266,6 +280,13 @@ def _validate_mesh(mesh: Any) -> None:
             f"fully_shard supports 1D meshes so far, got a {mesh.ndim}D mesh {mesh.mesh.shape}; "
             "pass mesh[dim_name] for the data-parallel dimension"
         )
+    if mesh.device_type not in ("cpu", "meta"):
+        module = getattr(torch, mesh.device_type, None)
+        if module is None or not module.is_available():
+            raise ValueError(
+                f"fully_shard got a mesh of device type {mesh.device_type!r}, which is not available "
+                "here; build the mesh with init_device_mesh('cpu', ...) for gloo"
+            )
     if mesh.device_type != "meta" and mesh.get_coordinate() is None:
         raise ValueError("this rank is not part of the mesh passed to fully_shard")
 
@@ -334,16 +355,45 @@ def _collect_params(
                     continue
                 other = _managed_by(p)
                 if other is not None:
-                    raise ValueError(
-                        f"parameter {prefix}{name} is also {other.fqn}, which an earlier fully_shard "
-                        "call manages; modules that share a parameter must be in one group: "
-                        "fully_shard([module_a, module_b]) or fully_shard on their common parent"
-                    )
+                    _raise_shared(prefix + name, other.fqn)
+                replaced = _REPLACED.get(id(p))
+                if replaced is not None and replaced[0]() is p:
+                    _raise_shared(prefix + name, replaced[1])
                 slots = owners.setdefault(p, [])
                 if not any(m is module and n == name for m, n in slots):
                     slots.append((module, name))
                 fqns.setdefault(p, prefix + name)
     return owners, fqns
+
+
+def _raise_shared(fqn: str, other_fqn: str) -> None:
+    raise ValueError(
+        f"parameter {fqn} is also {other_fqn}, which an earlier fully_shard call manages. If that "
+        "call was on a parent of this module, apply fully_shard bottom-up (blocks first, then the "
+        "root); if the parameter is shared, put the modules that share it in one group: "
+        "fully_shard([module_a, module_b]) or fully_shard on their common parent"
+    )
+
+
+def _remember(registry: dict, key: int, value: Any) -> None:
+    """Add to a registry keyed by id(); the entry leaves when its object is collected."""
+    target = (value[0] if isinstance(value, tuple) else value)()
+    registry[key] = value
+    if target is not None:
+        weakref.finalize(target, registry.pop, key, None)
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: refuse to step parameters fully_shard replaced."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _REPLACED.get(id(p))
+            if entry is not None and entry[0]() is p:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds the parameter {entry[1]} as it was before "
+                    "fully_shard, which no longer belongs to the model (it trains nothing). Create "
+                    "the optimizer after fully_shard: optimizer = Optimizer(model.parameters(), ...)"
+                )
 
 
 def _managed_by(p: torch.Tensor) -> FSDPParam | None:

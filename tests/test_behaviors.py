@@ -1,5 +1,5 @@
 """Behaviours users rely on: eval, structured outputs, forward methods, explicit
-unshard, recovery after an exception, gradient accumulation knobs."""
+unshard, gradient accumulation knobs."""
 
 from __future__ import annotations
 
@@ -147,50 +147,6 @@ def _unshard_worker(rank: int, world: int) -> dict:
 def test_explicit_unshard_and_reshard() -> None:
     for out in run_ranks(_unshard_worker, 2):
         assert all(out.values()), out
-
-
-class Flaky(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 6)
-        self.fail = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fail:
-            raise RuntimeError("injected failure")
-        return self.lin(x)
-
-
-def _recovery_worker(rank: int, world: int, explicit_reset: bool) -> float:
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(6, 6), Flaky(), nn.Linear(6, 6)).double()
-    model = copy.deepcopy(ref)
-    for m in model:
-        fsdp2.fully_shard(m)
-    fsdp2.fully_shard(model)
-    x = torch.randn(2 * world, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    model[1].fail = True
-    try:
-        model(x.chunk(world)[rank]).sum().backward()
-    except RuntimeError as e:
-        assert "injected failure" in str(e)
-    model[1].fail = False
-    if explicit_reset:
-        model.reset_iter_state()
-    for m in _groups(model):
-        assert m.training_state is TrainingState.IDLE or not explicit_reset
-    model(x.chunk(world)[rank]).pow(2).mean().backward()
-    ref(x).pow(2).mean().backward()
-    worst = 0.0
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item())
-    assert all(g.shard_state is ShardState.SHARDED for g in _groups(model))
-    return worst
-
-
-def test_recovery_after_exception_in_forward() -> None:
-    assert max(run_ranks(_recovery_worker, 2, True)) < 1e-12
-    assert max(run_ranks(_recovery_worker, 2, False)) < 1e-12  # automatic at the next forward
 
 
 def _reshard_after_backward_worker(rank: int, world: int) -> dict:
