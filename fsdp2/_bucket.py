@@ -347,7 +347,10 @@ class FlatBucket:
             buf[:, layout.grad_numel : scalar_base].copy_(flags)
         comm = self.comm
         self._pending_reduce = reduce_scatter_flat(
-            buf, comm.group, comm.rank, comm.reduce_by_all_reduce, async_op=True,
+            # Replicated scalars need bitwise-equal sums on every rank, but each rank's row
+            # may be summed in a different order: reduce them with an all-reduce and read
+            # them from row 0 on every rank.
+            buf, comm.group, comm.rank, comm.reduce_by_all_reduce or bool(layout.scalars), async_op=True,
             label=f"reduce-scatter of {self.name}",
         )
 
@@ -364,7 +367,8 @@ class FlatBucket:
             grads.div_(divide_factor)
             flag_end = layout.grad_numel + len(layout.params) + len(layout.scalars)
             used = result[layout.grad_numel : flag_end].tolist()
-            scalar_vals = result[flag_end:].to(self.dtype, copy=True).div_(divide_factor)
+            row0 = self._reduce_input2d()[0]  # every rank holds every row after an all-reduce
+            scalar_vals = row0[flag_end : layout.numel].to(self.dtype, copy=True).div_(divide_factor)
             self.comm.pool.release(self._reduce_input)  # type: ignore[arg-type]
             self._reduce_input = None
             self._pending_reduce = None

@@ -26,6 +26,7 @@ from ._buffers import BufferPool
 from ._group import ParamGroup, ShardState
 from ._param import FSDPParam
 from ._state import FSDPState
+from ._state_dict import register_load_hooks, validate_state_dict
 from .api import MixedPrecisionPolicy, OffloadPolicy
 
 # id(sharded parameter) -> its FSDPParam, for every parameter some fully_shard call
@@ -99,6 +100,7 @@ def fully_shard(
         fp.register_sharded()
         _remember(_MANAGED, id(fp.sharded), weakref.ref(fp))
         _remember(_REPLACED, id(original), (weakref.ref(original), fp.fqn))
+    register_load_hooks(fsdp_params)
     if not _OPTIMIZER_HOOK:
         _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer_params))
     for m in modules:
@@ -209,6 +211,19 @@ class FSDPModule:
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Older name of ``set_gradient_divide_factor``."""
         self.set_gradient_divide_factor(factor)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict`` that accepts sharded DTensors or full tensors, and
+        checks the whole dict (keys, shapes, dtypes) before loading anything."""
+        validate_state_dict(self, state_dict, strict)  # type: ignore[arg-type]
+        groups = _groups_under(self)  # type: ignore[arg-type]
+        for g in groups:
+            g.reshard()
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+        if assign:  # the dict's tensors replaced ours: copy them into our storage
+            for g in groups:
+                g.rebind()
+        return result
 
     def _target_groups(self, recurse: bool) -> list[ParamGroup]:
         return _groups_under(self) if recurse else [self._fsdp2_state.group]

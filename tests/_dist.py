@@ -9,6 +9,7 @@ rank's traceback; a rank that dies or hangs fails the call after ``timeout`` sec
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -43,7 +44,9 @@ def _entry(fn: Callable, rank: int, world: int, port: int, results: Any, args: t
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         value = fn(rank, world, *args)
-        results.put((rank, True, value))
+        # Pickled here, by value: a tensor put on the queue as is would travel as shared
+        # memory that vanishes when this process exits before pytest reads it.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything goes back to pytest
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -77,7 +80,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAUL
                     if time.monotonic() > deadline:
                         raise RankError(f"ranks did not report within {timeout}s") from None
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
                 break  # the other ranks may be blocked in a collective
