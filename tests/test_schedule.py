@@ -163,3 +163,56 @@ def test_steady_state_allocates_no_communication_buffers() -> None:
     for out in run_ranks(_pool_worker, 2):
         counts = out["counts"]
         assert counts[1] == counts[2] == counts[3], counts
+
+
+class Adapted(nn.Module):
+    """A bf16 base layer with an fp32 adapter in the same group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(6, 6).to(torch.bfloat16)
+        self.adapter = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x.to(torch.bfloat16)).float() + self.adapter(x)
+
+
+def _mixed_dtype_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = Adapted()
+    model = fsdp2.fully_shard(Adapted())
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(0))
+    with CommCounter().active() as counter:
+        model(x.chunk(world)[rank]).sum().backward()
+    ref(x).sum().backward()
+    grads_ok = all(
+        torch.allclose(p.grad.full_tensor().float(), q.grad.float() / world, rtol=1e-2, atol=1e-2)  # mean of sums
+        and p.grad.dtype == q.dtype
+        for p, q in zip(model.parameters(), ref.parameters())
+    )
+    return {"calls": dict(counter.calls), "grads_ok": grads_ok, "dtypes": sorted(str(b.dtype) for b in _group(model).buckets)}
+
+
+def test_group_mixing_dtypes_runs_one_collective_per_dtype() -> None:
+    for out in run_ranks(_mixed_dtype_worker, 2):
+        assert out["dtypes"] == ["torch.bfloat16", "torch.float32"], out
+        # forward all-gather per dtype (the root is kept for backward), reduce per dtype
+        assert out["calls"] == {"all_gather": 2, "reduce": 2}, out
+        assert out["grads_ok"], out
+
+
+def _profiler_worker(rank: int, world: int) -> list[str]:
+    torch.manual_seed(0)
+    model = _shard(ToyModel(n_blocks=2))
+    ids, targets = batch(0, 2 * world)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("fsdp2::")})
+
+
+def test_profiler_labels_tell_the_story() -> None:
+    names = run_ranks(_profiler_worker, 2)[0]
+    for label in ("fsdp2::all_gather", "fsdp2::copy_out", "fsdp2::reduce_scatter", "fsdp2::reduce_prepare",
+                  "fsdp2::grad_copy", "fsdp2::wait"):
+        assert label in names, names
