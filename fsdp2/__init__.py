@@ -1,5 +1,6 @@
 """fsdp2: fully sharded data parallel training, a drop-in for torch's ``fully_shard``."""
 
+from ._state_dict import StateDictError
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 
@@ -8,6 +9,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "StateDictError",
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
