@@ -172,3 +172,35 @@ def _reshard_after_backward_worker(rank: int, world: int) -> dict:
 def test_reshard_after_backward_and_divide_factor() -> None:
     for out in run_ranks(_reshard_after_backward_worker, 2):
         assert all(out.values()), out
+
+
+class Checkpointed(nn.Module):
+    """Wraps a block in non-reentrant activation checkpointing (recomputed in backward)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def _checkpointing_worker(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    ref = ToyModel().double()
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        fsdp2.fully_shard(block)
+    for i in range(len(model.blocks)):
+        model.blocks[i] = Checkpointed(model.blocks[i])
+    fsdp2.fully_shard(model)
+    for step in range(2):  # gradients accumulate over two steps
+        ids, tg = batch(step, 2 * world)
+        loss_fn(model(ids.chunk(world)[rank]), tg.chunk(world)[rank]).backward()
+        loss_fn(ref(ids), tg).backward()
+    got = {n.replace(".block.", "."): p.grad.full_tensor() for n, p in model.named_parameters()}
+    return max((got[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+
+
+def test_activation_checkpointing_matches_local() -> None:
+    assert max(run_ranks(_checkpointing_worker, 2)) < 1e-12
