@@ -18,6 +18,7 @@ Lifecycle of a group in one training step:
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,7 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
         self.shard_state = ShardState.SHARDED
         self.pending_nodes = 0  # forward calls whose _UnshardedParams.backward has not run
+        self.generation = 0  # bumped when pending_nodes restarts: older nodes no longer count
         self.order_index = -1  # position in the root's recorded forward order
         self.ctx: RootContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
@@ -156,7 +158,12 @@ class ParamGroup:
                 )
 
     def rebind(self) -> None:
+        """After ``module._apply``: adopt the new parameter data, once every module of the
+        group has been converted (``to_empty`` reaches the modules of a list one by one)."""
         self.reshard()
+        current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
+        if len({(t.device, t.dtype if t.is_floating_point() else None) for t in current}) > 1:
+            return  # another module's _apply will finish the conversion
         for b in self.buckets:
             b.rebind()
 
@@ -174,8 +181,9 @@ class ParamGroup:
         self.wait_for_unshard()
         # Issued after our wait: the gather queue was busy with ours until now anyway,
         # and the prefetch can take the buffer ours just released.
-        for target in ctx.forward_prefetch_targets(self):
-            target.unshard()
+        if not recompute:  # a recompute runs backward's order: the next layer is done
+            for target in ctx.forward_prefetch_targets(self):
+                target.unshard()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return self._register_unsharded(module, args, kwargs, counted=not recompute)
@@ -252,7 +260,7 @@ class ParamGroup:
         if counted and self.pending_nodes <= 1 and self.reshard_after_backward:
             self.reshard()  # nothing reads the parameters now: free them before the copy-in
         if self.ctx is not None:
-            self.ctx.make_room_for_reduce()  # its buffer frees before ours is taken
+            self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
         with torch.no_grad():
             for p, g in zip(self.module_params[module_key], grads):
                 if g is not None:
@@ -262,9 +270,16 @@ class ParamGroup:
             if self.pending_nodes <= 0:
                 self.post_backward()
 
+    def node_dropped(self, generation: int) -> None:
+        """A counted node was freed without its backward running (a grad-enabled forward
+        whose output was never backpropagated): stop waiting for it."""
+        if generation == self.generation and self.pending_nodes > 0:
+            self.pending_nodes -= 1
+
     def post_backward(self) -> None:
         """Phase 4's end: reshard and issue this group's reduce-scatters."""
         self.pending_nodes = 0
+        self.generation += 1
         if self.reshard_after_backward:
             self.reshard()
         self.training_state = TrainingState.IDLE
@@ -288,12 +303,19 @@ class ParamGroup:
         for p in self.params:
             p.register_sharded()
         self.pending_nodes = 0
+        self.generation += 1
         self._forwarded.clear()
         self.training_state = TrainingState.IDLE
 
 
 def _requires_grad(t: torch.Tensor) -> bool:
     return t.requires_grad
+
+
+def _node_freed(group: ParamGroup, count: list) -> None:
+    if count[0]:
+        count[0] = False
+        group.node_dropped(count[1])
 
 
 class _UnshardedParams(torch.autograd.Function):
@@ -307,8 +329,13 @@ class _UnshardedParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group: ParamGroup, module_key: int, counted: bool, anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
-        ctx.group, ctx.module_key, ctx.counted, ctx.n_inputs = group, module_key, counted, len(inputs)
+        ctx.group, ctx.module_key, ctx.n_inputs = group, module_key, len(inputs)
         ctx.set_materialize_grads(False)
+        # [still counted, generation]; cleared when backward runs, else the finalizer
+        # tells the group when the graph is freed without a backward.
+        ctx.count = [counted, group.generation]
+        if counted:
+            weakref.finalize(ctx, _node_freed, group, ctx.count)
         views = group.fresh_unsharded_views(module_key)
         frozen = [v for v, p in zip(views, group.module_params[module_key]) if not p.sharded.requires_grad]  # type: ignore[union-attr]
         if frozen:
@@ -318,5 +345,7 @@ class _UnshardedParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         n_params = len(grads) - ctx.n_inputs
-        ctx.group.post_backward_node(ctx.module_key, grads[:n_params], ctx.counted)
+        counted = ctx.count[0] and ctx.count[1] == ctx.group.generation
+        ctx.count[0] = False
+        ctx.group.post_backward_node(ctx.module_key, grads[:n_params], counted)
         return (None, None, None, None, *grads[n_params:])

@@ -150,9 +150,12 @@ class RootContext:
         while len(self.pending_reduces) > MAX_PENDING_REDUCES:
             self._finish_oldest_reduce()
 
-    def make_room_for_reduce(self) -> None:
-        """Before a group deposits gradients: finish reduce-scatters beyond the allowed
-        number still in flight, so their buffers are free for the new one."""
+    def make_room_for_reduce(self, group: ParamGroup) -> None:
+        """Before ``group`` deposits gradients: finish its own reduce-scatter still in flight
+        (from an earlier backward with ``set_is_last_backward(False)``: it reads the buffer
+        the deposit writes), and those beyond the allowed number in flight."""
+        while any(g is group for g, _ in self.pending_reduces):
+            self._finish_oldest_reduce()
         while self.root.is_last_backward and len(self.pending_reduces) >= MAX_PENDING_REDUCES:
             self._finish_oldest_reduce()
 
@@ -163,8 +166,13 @@ class RootContext:
     def finalize_backward(self) -> None:
         """Phase 5: runs once at the end of each backward over the root's graph."""
         for g in self.groups:
-            if g.pending_nodes > 0:
-                g.post_backward()  # forward calls whose gradients never arrived
+            # Forward calls whose gradients never arrived, and gradients deposited by
+            # uncounted nodes (a reentrant checkpoint's recompute runs inside backward).
+            unreduced = g.requires_gradient_sync and any(
+                b.has_deposits() and not b.has_pending_reduce() for b in g.buckets
+            )
+            if g.pending_nodes > 0 or unreduced:
+                g.post_backward()
         if self.root.is_last_backward:
             while self.pending_reduces:
                 self._finish_oldest_reduce()

@@ -262,7 +262,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     @functools.wraps(original)
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = state.pre_forward(args, kwargs)
-        return state.post_forward(original(self, *args, **kwargs))
+        try:
+            output = original(self, *args, **kwargs)
+        except BaseException:
+            state.on_forward_exception()
+            raise
+        return state.post_forward(output)
 
     setattr(module, method_name, types.MethodType(wrapped, module))
 

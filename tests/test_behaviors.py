@@ -204,3 +204,71 @@ def _checkpointing_worker(rank: int, world: int) -> float:
 
 def test_activation_checkpointing_matches_local() -> None:
     assert max(run_ranks(_checkpointing_worker, 2)) < 1e-12
+
+
+class ReentrantCheckpointed(ToyModel):
+    """Blocks under reentrant checkpointing: forward runs under no_grad, the recompute
+    inside backward builds the graph that gradients flow through."""
+
+    def forward(self, ids: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        return self.head(self.extra(x))
+
+
+def _reentrant_and_list_meta_worker(rank: int, world: int) -> bool:
+    from _models import copy_full_into_sharded
+
+    torch.manual_seed(0)
+    ref = ReentrantCheckpointed().double()
+    init = full_params(ref)
+    with torch.device("meta"):
+        model = ReentrantCheckpointed().double()
+    fsdp2.fully_shard([model.blocks[0], model.blocks[1]])  # one group over two modules
+    fsdp2.fully_shard(model.blocks[2])
+    fsdp2.fully_shard(model)
+    model.to_empty(device="cpu")
+    copy_full_into_sharded(model, init, rank, world)
+    ids, tg = batch(0, 2 * world)
+    loss_fn(model(ids.chunk(world)[rank]), tg.chunk(world)[rank]).backward()
+    loss_fn(ref(ids), tg).backward()
+    worst = max(
+        (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())
+    )
+    return worst < 1e-12
+
+
+def test_reentrant_checkpointing_and_list_group_meta_init() -> None:
+    assert run_ranks(_reentrant_and_list_meta_worker, 2) == [True, True]
+
+
+def _dropped_forward_worker(rank: int, world: int) -> list[int]:
+    torch.manual_seed(0)
+    model = _shard(ToyModel())
+    ids, _ = batch(0, 2 * world)
+    out = model(ids.chunk(world)[rank])  # grad-enabled forward that never gets a backward
+    del out  # its graph is freed: no group may keep waiting for it
+    return [g.pending_nodes for g in _groups(model)]
+
+
+def test_forward_without_backward_leaves_no_pending_gradients() -> None:
+    for counts in run_ranks(_dropped_forward_worker, 2):
+        assert all(n == 0 for n in counts), counts
+
+
+def _last_backward_worker(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    ref = ToyModel().double()
+    model = _shard(copy.deepcopy(ref))
+    micro = 3
+    ids, tg = batch(0, 2 * world * micro)
+    for mb, (i, t) in enumerate(zip(ids.chunk(micro), tg.chunk(micro))):
+        model.set_is_last_backward(mb == micro - 1)  # reduce-scatters stay in flight until the last
+        loss_fn(model(i.chunk(world)[rank]), t.chunk(world)[rank]).backward()
+        loss_fn(ref(i), t).backward()
+    return max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_is_last_backward_false_over_micro_batches() -> None:
+    assert max(run_ranks(_last_backward_worker, 2)) < 1e-12
