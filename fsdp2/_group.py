@@ -148,8 +148,16 @@ class ParamGroup:
             self.shard_state = ShardState.PARTIAL
 
     def _check_materialized(self) -> None:
+        mesh_type = self.comm.mesh.device_type
         for b in self.buckets:
-            if b.sharded_flat.device.type == "meta":
+            device = b.sharded_flat.device
+            if device.type not in ("meta", mesh_type):
+                raise RuntimeError(
+                    f"fsdp2: parameters of group '{self.name}' are on {device} but its mesh is on "
+                    f"{mesh_type}; move the model with model.to({mesh_type!r}) or build the mesh "
+                    f"for {device.type}"
+                )
+            if device.type == "meta":
                 fqns = ", ".join(p.fqn for p in b.params[:3])
                 raise RuntimeError(
                     f"fsdp2: parameters ({fqns}, ...) are still on the meta device at forward; "

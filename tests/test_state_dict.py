@@ -190,3 +190,25 @@ def _full_state_dict_worker(rank: int, world: int) -> dict:
 def test_full_state_dict_rank0_and_broadcast_load() -> None:
     for out in run_ranks(_full_state_dict_worker, 2):
         assert all(out.values()), out
+
+
+def _meta_buffers_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = WithBuffers()
+    ref.scale.fill_(3.0)
+    with torch.device("meta"):
+        model = WithBuffers()
+    _shard(model)
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    return {
+        "persistent_loaded": torch.equal(model.scale, ref.scale),
+        "non_persistent_kept_out": "cache" not in model.state_dict() and model.cache.shape == (2,),
+        "params_loaded": all(torch.equal(v, ref.state_dict()[k]) for k, v in full_params(model).items()),
+        "keys": list(model.state_dict()) == list(ref.state_dict()),
+    }
+
+
+def test_buffers_after_meta_init_behave_as_unsharded() -> None:
+    for out in run_ranks(_meta_buffers_worker, 2):
+        assert all(out.values()), out
