@@ -46,10 +46,3 @@ class BufferPool:
         free = self._free.setdefault((buf.numel(), buf.dtype, buf.device), [])
         if len(free) < self.max_free:
             free.append(buf)  # else it goes back to the allocator
-
-    def clear(self) -> None:
-        """Drop the idle buffers (those in use stay with their owners)."""
-        self._free.clear()
-
-    def bytes_idle(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)

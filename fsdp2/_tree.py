@@ -37,16 +37,27 @@ def map_tensors(obj: Any, fn: TensorFn) -> Any:
 
 
 def collect_tensors(obj: Any, pred: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
-    """Every tensor inside ``obj`` for which ``pred`` holds, in traversal order."""
+    """Every tensor inside ``obj`` for which ``pred`` holds, in ``map_tensors`` order
+    (without rebuilding containers: this runs on every forward's inputs and outputs)."""
     found: list[torch.Tensor] = []
-
-    def visit(t: torch.Tensor) -> torch.Tensor:
-        if pred(t):
-            found.append(t)
-        return t
-
-    map_tensors(obj, visit)
+    _collect(obj, pred, found)
     return found
+
+
+def _collect(obj: Any, pred: Callable[[torch.Tensor], bool], found: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if pred(obj):
+            found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _collect(x, pred, found)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _collect(x, pred, found)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if f.init:
+                _collect(getattr(obj, f.name), pred, found)
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:

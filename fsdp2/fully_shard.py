@@ -347,11 +347,6 @@ def _validate_params(params: list[torch.Tensor], fqns: dict, placement_fn: Calla
             raise NotImplementedError(
                 f"parameter {fqns[p]} is already a DTensor; composing with tensor parallel is not implemented yet"
             )
-        if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
-            raise ValueError(
-                f"parameter {fqns[p]} has dtype {p.dtype} and requires grad; only floating-point "
-                "parameters can require grad (set requires_grad=False or use a float dtype)"
-            )
         if placement_fn is not None:
             placement = placement_fn(p)
             if placement is not None and placement != Shard(0):
