@@ -88,7 +88,8 @@ class FlatBucket:
         self._pending_reduce: Pending | None = None
         self._reduce_input: torch.Tensor | None = None  # pooled, owned until reduced
         self._deposited: list[bool] = []
-        self._ready_grads: list[tuple[FSDPParam, torch.Tensor]] = []  # reduced, not yet in .grad
+        # reduced, not yet in .grad: (layout, gradients, used flags, replicated values)
+        self._ready_grads: list[tuple[ReduceLayout, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._layout: ReduceLayout | None = None
         self._layout_key: tuple[bool, ...] = ()
         self._allocate_sharded(originals, device)
@@ -366,26 +367,28 @@ class FlatBucket:
             grads = result[: layout.grad_numel].to(self.dtype, copy=True)
             grads.div_(divide_factor)
             flag_end = layout.grad_numel + len(layout.params) + len(layout.scalars)
-            used = result[layout.grad_numel : flag_end].tolist()
+            # Kept as a tensor: reading it (a device sync on GPUs) waits for commit_grads.
+            used = result[layout.grad_numel : flag_end].clone()
             row0 = self._reduce_input2d()[0]  # every rank holds every row after an all-reduce
             scalar_vals = row0[flag_end : layout.numel].to(self.dtype, copy=True).div_(divide_factor)
             self.comm.pool.release(self._reduce_input)  # type: ignore[arg-type]
             self._reduce_input = None
             self._pending_reduce = None
             self._deposited = [False] * len(self._deposited)
-            for p, off in zip(layout.params, layout.offsets):
-                if used[p.rs_index] > 0:
-                    local = grads[off : off + p.local_rows * p.row_numel].view(p.local_shape)
-                    self._ready_grads.append((p, local))
-            for i, p in enumerate(layout.scalars):
-                if used[p.rs_index] > 0:
-                    self._ready_grads.append((p, scalar_vals[i].view(())))
+            self._ready_grads.append((layout, grads, used, scalar_vals))
 
     def commit_grads(self) -> None:
         """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
         that completed, so a backward that raised leaves ``.grad`` as it was."""
-        for p, local in self._ready_grads:
-            _accumulate_grad(p, local, self.comm.mesh)
+        for layout, grads, used_flags, scalar_vals in self._ready_grads:
+            used = used_flags.tolist()  # flags follow layout.params, then layout.scalars
+            for flag, p, off in zip(used, layout.params, layout.offsets):
+                if flag > 0:
+                    local = grads[off : off + p.local_rows * p.row_numel].view(p.local_shape)
+                    _accumulate_grad(p, local, self.comm.mesh)
+            for flag, p, value in zip(used[len(layout.params) :], layout.scalars, scalar_vals):
+                if flag > 0:
+                    _accumulate_grad(p, value.view(()), self.comm.mesh)
         self._ready_grads.clear()
 
     def drop_reduce_state(self) -> None:
