@@ -204,7 +204,7 @@ class ParamGroup:
         trainable = torch.is_grad_enabled() and any(p.sharded.requires_grad for p in params)  # type: ignore[union-attr]
         if not (inputs or trainable):
             for p in params:
-                p.register(self._bucket_of[id(p)].unsharded_views[p.bucket_index])
+                p.register(self._unsharded_view(p))
             return args, kwargs
         outs = _UnshardedParams.apply(self, id(module), counted, self._anchor, *inputs)
         if counted:
@@ -218,11 +218,11 @@ class ParamGroup:
 
     def fresh_unsharded_views(self, module_key: int) -> list[torch.Tensor]:
         """New view objects of the unsharded parameters, for one autograd node's outputs."""
-        views = []
-        for p in self.module_params[module_key]:
-            v = self._bucket_of[id(p)].unsharded_views[p.bucket_index]
-            views.append(v.view(v.shape))
-        return views
+        return [v.view(v.shape) for v in map(self._unsharded_view, self.module_params[module_key])]
+
+    def _unsharded_view(self, p: FSDPParam) -> torch.Tensor:
+        """The persistent view of ``p`` in its bucket's unsharded flat buffer."""
+        return self._bucket_of[id(p)].unsharded_views[p.bucket_index]
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         ctx = self.ctx

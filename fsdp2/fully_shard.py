@@ -148,8 +148,9 @@ class FSDPModule:
         this iteration's gradients and pending communication."""
         group = self._fsdp2_state.group
         if group.ctx is not None:
-            group.ctx.reset()
-        for g in _groups_under(self):
+            group.ctx.reset()  # resets every group under the root
+            return
+        for g in _groups_under(self):  # before the first forward: no root context yet
             g.reset()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
