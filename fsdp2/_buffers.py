@@ -4,45 +4,60 @@ A ``BufferPool`` hands out flat tensors. A buffer is owned from ``acquire`` unti
 ``release``; the owner releases it only after the collective that wrote or read it has
 been waited on, so a buffer is never overwritten while a group still reads it.
 
-Reuse is by exact size: in a model of identical blocks every block's all-gather and
-reduce buffers are the same few tensors step after step, so the steady state allocates
-nothing. At most ``max_free`` idle buffers are kept per size, dtype and device: enough
-for the current and the prefetched group. What this costs per rank: idle buffers are
-resident memory, at most ``max_free`` x (largest group's unsharded bytes) per distinct
-group size and dtype (for a model of identical blocks plus a root: two block-sized
-buffers and two root-sized ones).
+Buffers are raw bytes shared by every group and dtype on a device: a request takes the
+smallest idle buffer that is large enough (a prefix of it, viewed as the requested
+dtype), so the root's large buffer also serves the blocks, and a bf16 all-gather and an
+fp32 reduce can use the same memory. Only when no idle buffer fits is a new one
+allocated; in a steady state the same few buffers come back every step and nothing is
+allocated.
+
+What this costs per rank: the pool keeps what the busiest moment of a step held at once,
+at most ``max_free`` idle buffers per device (the smallest goes back to the allocator
+first). For a model of identical blocks plus a larger root that is one root-sized buffer
+(it serves the root and, in between, a block) and one block-sized buffer: the current
+group's buffer and the prefetched or still-reducing one.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 
 
 class BufferPool:
-    """Free lists of flat tensors keyed by (size, dtype, device)."""
+    """Idle byte buffers per device, ascending by size, and the buffers handed out."""
 
-    def __init__(self, max_free: int = 2) -> None:
+    def __init__(self, max_free: int = 3) -> None:
         self.max_free = max_free
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._in_use: set[int] = set()  # id() of the tensors handed out
-        self.allocations = 0  # how many tensors were ever created
+        self._free: dict[torch.device, list[torch.Tensor]] = {}
+        self._in_use: dict[int, torch.Tensor] = {}  # id(handed-out view) -> its byte buffer
+        self.allocations = 0  # how many buffers were ever created
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat tensor of ``numel`` elements; contents are undefined."""
-        free = self._free.get((numel, dtype, device))
-        if free:
-            buf = free.pop()
+        """A flat tensor of ``numel`` elements of ``dtype``; contents are undefined."""
+        nbytes = numel * dtype.itemsize
+        free = self._free.setdefault(device, [])
+        i = bisect.bisect_left(free, nbytes, key=torch.Tensor.numel)  # the best fit
+        if i < len(free):
+            raw = free.pop(i)
         else:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self.allocations += 1
-        self._in_use.add(id(buf))
+        buf = raw[:nbytes].view(dtype)
+        self._in_use[id(buf)] = raw
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
         """Give back a tensor from ``acquire``: the caller no longer reads or writes it."""
-        if id(buf) not in self._in_use:
+        raw = self._in_use.pop(id(buf), None)
+        if raw is None:
             raise AssertionError("fsdp2 internal error: released a buffer the pool did not hand out")
-        self._in_use.discard(id(buf))
-        free = self._free.setdefault((buf.numel(), buf.dtype, buf.device), [])
-        if len(free) < self.max_free:
-            free.append(buf)  # else it goes back to the allocator
+        free = self._free[raw.device]
+        bisect.insort(free, raw, key=torch.Tensor.numel)
+        if len(free) > self.max_free:
+            del free[0]  # the least useful one goes back to the allocator
+
+    def idle_bytes(self) -> int:
+        """Bytes held by idle buffers (what the pool costs between steps)."""
+        return sum(raw.numel() for free in self._free.values() for raw in free)
