@@ -130,6 +130,9 @@ class FlatBucket:
             for p in self.sharded_params
         ]
         self.unsharded_views = [self._unsharded_view(flat, p) for p in self.params]
+        # How many references to the unsharded storage are our own (the tensors above);
+        # any more means some tensor outside, e.g. one autograd saved, can still read it.
+        self._own_storage_refs = _storage_refs(flat)
         self._free_unsharded()
 
     def _unsharded_view(self, flat: torch.Tensor, p: FSDPParam) -> torch.Tensor:
@@ -156,6 +159,14 @@ class FlatBucket:
         nbytes = self._unsharded_numel * self.unsharded_flat.element_size()
         if self.unsharded_flat.untyped_storage().nbytes() != nbytes:
             self.unsharded_flat.untyped_storage().resize_(nbytes)
+
+    def is_unsharded_unreferenced(self) -> bool:
+        """True when the gathered parameters are resident but no tensor other than this
+        bucket's own views shares their storage: nothing can read them any more."""
+        if self.gather_is_identity or self.unsharded_flat.untyped_storage().nbytes() == 0:
+            return False
+        refs = _storage_refs(self.unsharded_flat)
+        return refs is not None and refs <= self._own_storage_refs  # type: ignore[operator]
 
     def unsharded_bytes(self) -> int:
         return self.unsharded_flat.untyped_storage().nbytes()
@@ -411,6 +422,16 @@ class FlatBucket:
                 self._gather_buf = None
                 self._pending_gather = None
                 self._gather_input = None
+
+
+def _storage_refs(t: torch.Tensor) -> int | None:
+    """How many tensors (and storage handles) share ``t``'s storage; None if this build of
+    torch cannot tell (the private counter torch's CUDA-graph trees also use)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return None
+    storage = t.untyped_storage()
+    return use_count(storage._cdata) - 1  # minus the handle just created
 
 
 def _write(dst: torch.Tensor, src: torch.Tensor, first: bool) -> None:

@@ -260,6 +260,7 @@ class ParamGroup:
         self.wait_for_unshard()
         for target in ctx.backward_prefetch_targets(self):
             target.unshard()  # overlaps this group's backward compute
+        ctx.free_unreferenced(self)
 
     def post_backward_node(self, module_key: int, grads: tuple, counted: bool) -> None:
         """``_UnshardedParams.backward``: gradients of one forward call are complete."""
@@ -298,6 +299,17 @@ class ParamGroup:
                 b.start_reduce()
                 assert self.ctx is not None
                 self.ctx.add_pending_reduce(self, b)
+
+    def is_unreferenced_in_backward(self) -> bool:
+        """Its backward started, its parameters are still gathered, and no tensor outside
+        the group (nothing autograd saved) shares them any more: e.g. the root after the
+        output layer's backward, while every block's backward still lies ahead."""
+        return (
+            self.training_state is TrainingState.PRE_BACKWARD
+            and self.shard_state is ShardState.UNSHARDED
+            and self.reshard_after_backward
+            and all(b.is_unsharded_unreferenced() for b in self.buckets)
+        )
 
     def divide_factor(self) -> float:
         return float(self.gradient_divide_factor or self.comm.world)

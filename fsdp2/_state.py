@@ -137,13 +137,24 @@ class RootContext:
         if i <= 0 or not self.order_frozen:
             return []
         target = self.forward_order[i - 1]
-        return [target] if target.pending_nodes > 0 else []
+        # Not one whose backward already started (the root): it was gathered then, and
+        # if it was freed since (``free_unreferenced``), nothing needs it again.
+        waiting = target.pending_nodes > 0 and target.training_state is not TrainingState.PRE_BACKWARD
+        return [target] if waiting else []
 
     # --------------------------------------------------------------- backward
     def on_backward_start(self) -> None:
         if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def free_unreferenced(self, current: ParamGroup) -> None:
+        """At each group's pre_backward: free groups kept gathered (the root, or any with
+        ``reshard_after_forward=False``) whose parameters nothing can read any more,
+        instead of holding them until their own gradients arrive at the end."""
+        for g in self.groups:
+            if g is not current and g.is_unreferenced_in_backward():
+                g.reshard()
 
     def add_pending_reduce(self, group: ParamGroup, bucket: FlatBucket) -> None:
         self.pending_reduces.append((group, bucket))

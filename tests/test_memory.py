@@ -1,0 +1,130 @@
+"""Memory: gathered parameters that nothing can read any more are freed in backward
+(the root's, once the output layer's backward ran), and never while something can."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp2
+from _comm import CommCounter
+from _dist import run_ranks
+from _models import ToyModel, batch, loss_fn
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    for block in model.blocks:
+        fsdp2.fully_shard(block)
+    return fsdp2.fully_shard(model)
+
+
+def _gathered_bytes(module: nn.Module) -> int:
+    return sum(b.unsharded_bytes() for b in module._fsdp2_state.group.buckets)
+
+
+def _grads_match(model: nn.Module, ref: nn.Module, scale: float = 1.0) -> bool:
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        if (p.grad is None) != (r.grad is None):
+            return False
+        if p.grad is not None and not torch.allclose(p.grad.full_tensor(), scale * r.grad, rtol=1e-10, atol=1e-12):
+            return False
+    return True
+
+
+def _root_freed_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = ToyModel(n_blocks=3).double()
+    model = _shard(copy.deepcopy(ref))
+    seen: list[int] = []
+
+    def probe(module: nn.Module, args: tuple) -> None:  # after the block's backward, so after its pre_backward
+        args[0].register_hook(lambda g: seen.append(_gathered_bytes(model)))
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(probe)
+    ids, targets = batch(0, 2 * world)
+    loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()  # warm-up: records the order
+    model.zero_grad()
+    seen.clear()
+    with CommCounter().active() as counter:
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    loss_fn(ref(ids), targets).backward()
+    return {"seen": seen, "gathers": counter.calls["all_gather"], "grads": _grads_match(model, ref)}
+
+
+def test_root_parameters_are_freed_once_the_head_backward_ran() -> None:
+    for out in run_ranks(_root_freed_worker, 2):
+        # Every block's backward runs with the root's gathered parameters already freed,
+        # without any extra all-gather (4 groups forward + 3 blocks again in backward).
+        assert out["seen"] == [0, 0, 0], out
+        assert out["gathers"] == 4 + 3, out
+        assert out["grads"], out
+
+
+def _retain_graph_worker(rank: int, world: int) -> bool:
+    torch.manual_seed(0)
+    ref = ToyModel(n_blocks=2).double()
+    model = _shard(copy.deepcopy(ref))
+    ids, targets = batch(0, 2 * world)
+    loss = loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank])
+    loss.backward(retain_graph=True)  # the head's saved weight stays referenced
+    loss.backward()
+    loss_fn(ref(ids), targets).backward()
+    return _grads_match(model, ref, scale=2.0)
+
+
+def test_retained_graph_keeps_reading_the_root_parameters() -> None:
+    assert all(run_ranks(_retain_graph_worker, 2))
+
+
+class _DetachedScale(torch.autograd.Function):
+    """``x * w`` that saves a detached alias of ``w``, as fused kernels often do: it shares
+    the storage without being the parameter view fsdp2 handed out."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x)
+        ctx.w = w.detach()
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        (x,) = ctx.saved_tensors
+        return grad * ctx.w, (grad * x).flatten(0, -2).sum(0)
+
+
+class EarlyRootUse(ToyModel):
+    """A root parameter read at the very end of backward: a scale applied right after the
+    embedding, saved by autograd as the view fsdp2 handed out or as a detached alias."""
+
+    def __init__(self, alias: bool) -> None:
+        super().__init__(n_blocks=2, tie=False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.alias = alias
+
+    def forward(self, ids: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        x = self.emb(ids)
+        x = _DetachedScale.apply(x, self.scale) if self.alias else x * self.scale
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.extra(x))
+
+
+def _early_use_worker(rank: int, world: int, alias: bool) -> bool:
+    torch.manual_seed(0)
+    ref = EarlyRootUse(alias).double()
+    model = _shard(copy.deepcopy(ref))
+    ids, targets = batch(0, 2 * world)
+    for _ in range(2):  # the second step runs with the forward order known
+        model.zero_grad()
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    loss_fn(ref(ids), targets).backward()
+    return _grads_match(model, ref)
+
+
+def test_root_parameters_still_saved_for_backward_stay_gathered() -> None:
+    for alias in (False, True):
+        assert all(run_ranks(_early_use_worker, 2, alias)), alias
