@@ -21,6 +21,7 @@ Layouts (``W`` ranks, ``S`` = sum of the padded shard sizes):
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -312,8 +313,8 @@ class FlatBucket:
         return self._reduce_input[: self.comm.world * layout.numel].view(self.comm.world, layout.numel)
 
     def _comm_numel(self) -> int:
-        """One size for this bucket's all-gather output and reduce input, so that with equal
-        dtypes the pool serves both from the same tensor."""
+        """One size for this bucket's all-gather output and reduce input: the pool serves
+        both from the same buffer."""
         return self.comm.world * max(self.shard_numel, self.reduce_layout().numel)
 
     def deposit(self, p: FSDPParam, grad: torch.Tensor) -> None:
@@ -376,12 +377,15 @@ class FlatBucket:
         result = wait_pending(self._pending_reduce)
         with record_function("fsdp2::grad_copy"):
             grads = result[: layout.grad_numel].to(self.dtype, copy=True)
-            grads.div_(divide_factor)
+            if divide_factor != 1:
+                grads.div_(divide_factor)
             flag_end = layout.grad_numel + len(layout.params) + len(layout.scalars)
             # Kept as a tensor: reading it (a device sync on GPUs) waits for commit_grads.
             used = result[layout.grad_numel : flag_end].clone()
             row0 = self._reduce_input2d()[0]  # every rank holds every row after an all-reduce
-            scalar_vals = row0[flag_end : layout.numel].to(self.dtype, copy=True).div_(divide_factor)
+            scalar_vals = row0[flag_end : layout.numel].to(self.dtype, copy=True)
+            if divide_factor != 1:
+                scalar_vals.div_(divide_factor)
             self.comm.pool.release(self._reduce_input)  # type: ignore[arg-type]
             self._reduce_input = None
             self._pending_reduce = None
@@ -431,6 +435,8 @@ def _storage_refs(t: torch.Tensor) -> int | None:
     if use_count is None:
         return None
     storage = t.untyped_storage()
+    if sys.getrefcount(storage) > 2:  # a storage handle someone keeps: count it as a user
+        return use_count(storage._cdata) + 1
     return use_count(storage._cdata) - 1  # minus the handle just created
 
 

@@ -53,7 +53,7 @@ class BufferPool:
         raw = self._in_use.pop(id(buf), None)
         if raw is None:
             raise AssertionError("fsdp2 internal error: released a buffer the pool did not hand out")
-        free = self._free[raw.device]
+        free = self._free.setdefault(raw.device, [])
         bisect.insort(free, raw, key=torch.Tensor.numel)
         if len(free) > self.max_free:
             del free[0]  # the least useful one goes back to the allocator

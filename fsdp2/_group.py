@@ -101,6 +101,12 @@ class ParamGroup:
         self.shard_state = ShardState.SHARDED
         self.pending_nodes = 0  # forward calls whose _UnshardedParams.backward has not run
         self.generation = 0  # bumped when pending_nodes restarts: older nodes no longer count
+        # Forward calls whose outputs carry a pre_backward hook, and how many fired so far.
+        self.hooked_calls = 0
+        self.started_backward_calls = 0
+        # A forward call ran under saved-tensor hooks (activation checkpointing, offloading):
+        # autograd may not hold the parameters it needs, so the storage count proves nothing.
+        self.saved_by_hooks = False
         self.order_index = -1  # position in the root's recorded forward order
         self.ctx: RootContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
@@ -183,6 +189,7 @@ class ParamGroup:
         if not recompute:
             self.training_state = TrainingState.FORWARD
             ctx.record_forward(self)
+            self.saved_by_hooks = self.saved_by_hooks or _saved_tensor_hooks_active()
             for b in self.buckets:
                 b.refresh_reduce_layout()
         self.unshard()
@@ -203,8 +210,12 @@ class ParamGroup:
         inputs = collect_tensors((args, kwargs), _requires_grad) if torch.is_grad_enabled() else []
         trainable = torch.is_grad_enabled() and any(p.sharded.requires_grad for p in params)  # type: ignore[union-attr]
         if not (inputs or trainable):
+            # Fresh view objects when autograd may save them: a saved parameter must add a
+            # reference to the storage, or ``is_unreferenced_in_backward`` would miss it.
+            grad = torch.is_grad_enabled()
             for p in params:
-                p.register(self._unsharded_view(p))
+                view = self._unsharded_view(p)
+                p.register(view.view(view.shape) if grad else view)
             return args, kwargs
         outs = _UnshardedParams.apply(self, id(module), counted, self._anchor, *inputs)
         if counted:
@@ -243,12 +254,14 @@ class ParamGroup:
             tensors = collect_tensors(output, _requires_grad)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+                self.hooked_calls += 1
         if self.mp_policy.output_dtype is not None:
             output = cast_floating(output, self.mp_policy.output_dtype)
         return output
 
     # ------------------------------------------------------------------- backward
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.started_backward_calls += 1
         self.pre_backward()
 
     def pre_backward(self) -> None:
@@ -289,6 +302,8 @@ class ParamGroup:
         """Phase 4's end: reshard and issue this group's reduce-scatters."""
         self.pending_nodes = 0
         self.generation += 1
+        self.saved_by_hooks = False
+        self.hooked_calls = self.started_backward_calls = 0
         if self.reshard_after_backward:
             self.reshard()
         self.training_state = TrainingState.IDLE
@@ -301,11 +316,15 @@ class ParamGroup:
                 self.ctx.add_pending_reduce(self, b)
 
     def is_unreferenced_in_backward(self) -> bool:
-        """Its backward started, its parameters are still gathered, and no tensor outside
-        the group (nothing autograd saved) shares them any more: e.g. the root after the
-        output layer's backward, while every block's backward still lies ahead."""
+        """Every forward call's backward started, its parameters are still gathered, and
+        no tensor outside the group (nothing autograd saved) shares them any more: e.g. the
+        root after the output layer's backward, while every block's backward lies ahead.
+        Not after a forward under saved-tensor hooks: a checkpoint recompute would need
+        the parameters again without holding them now."""
         return (
             self.training_state is TrainingState.PRE_BACKWARD
+            and self.started_backward_calls >= self.hooked_calls  # no pre_backward to come
+            and not self.saved_by_hooks
             and self.shard_state is ShardState.UNSHARDED
             and self.reshard_after_backward
             and all(b.is_unsharded_unreferenced() for b in self.buckets)
@@ -324,8 +343,17 @@ class ParamGroup:
             p.register_sharded()
         self.pending_nodes = 0
         self.generation += 1
+        self.saved_by_hooks = False
+        self.hooked_calls = self.started_backward_calls = 0
         self._forwarded.clear()
         self.training_state = TrainingState.IDLE
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether tensors autograd saves now go through ``saved_tensors_hooks`` (True when
+    this build of torch cannot tell: the caller then stays conservative)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 def _requires_grad(t: torch.Tensor) -> bool:

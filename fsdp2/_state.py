@@ -131,14 +131,14 @@ class RootContext:
         return [self.forward_order[i + 1]]
 
     def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
+        # Never one whose backward already started (the root): it was gathered then, and
+        # if it was freed since (``free_unreferenced``), nothing needs it again.
         if group.backward_prefetch is not None:
-            return group.backward_prefetch
+            return [t for t in group.backward_prefetch if t.training_state is not TrainingState.PRE_BACKWARD]
         i = group.order_index
         if i <= 0 or not self.order_frozen:
             return []
         target = self.forward_order[i - 1]
-        # Not one whose backward already started (the root): it was gathered then, and
-        # if it was freed since (``free_unreferenced``), nothing needs it again.
         waiting = target.pending_nodes > 0 and target.training_state is not TrainingState.PRE_BACKWARD
         return [target] if waiting else []
 

@@ -128,3 +128,103 @@ def _early_use_worker(rank: int, world: int, alias: bool) -> bool:
 def test_root_parameters_still_saved_for_backward_stay_gathered() -> None:
     for alias in (False, True):
         assert all(run_ranks(_early_use_worker, 2, alias)), alias
+
+
+class FrozenRootBetweenBlocks(ToyModel):
+    """Trainable blocks; the root's parameters all frozen, one of them (``mid``) applied
+    between the blocks: autograd saves it and reads it late in backward."""
+
+    def __init__(self) -> None:
+        super().__init__(n_blocks=2, tie=False)
+        self.mid = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        for p in (self.emb.weight, self.mid, self.extra.weight, self.extra.bias, self.head.weight):
+            p.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        x = self.blocks[0](self.emb(ids)) * self.mid
+        return self.head(self.extra(self.blocks[1](x)))
+
+
+def _frozen_root_worker(rank: int, world: int) -> bool:
+    torch.manual_seed(0)
+    ref = FrozenRootBetweenBlocks().double()
+    model = _shard(copy.deepcopy(ref))
+    ids, targets = batch(0, 2 * world)
+    for _ in range(2):
+        model.zero_grad()
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    loss_fn(ref(ids), targets).backward()
+    return _grads_match(model, ref)
+
+
+def test_frozen_root_parameters_saved_by_autograd_stay_gathered() -> None:
+    assert all(run_ranks(_frozen_root_worker, 2))
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class NestedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.mlp = Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.proj(x))
+
+
+class Variants(nn.Module):
+    """Blocks and sub-blocks both sharded, checkpointed (non-reentrant) or called twice."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(11, 6)
+        self.blocks = nn.ModuleList(NestedBlock() for _ in range(2))
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            if self.kind == "checkpoint":
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            elif self.kind == "twice":
+                x = block(block(x))
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+def _gathers_worker(rank: int, world: int, kind: str) -> dict:
+    from fsdp2._state import RootContext
+
+    counts = {}
+    for early in (True, False):
+        torch.manual_seed(0)
+        model = Variants(kind)
+        for block in model.blocks:
+            fsdp2.fully_shard(block.mlp)
+            fsdp2.fully_shard(block)
+        fsdp2.fully_shard(model)
+        if not early:
+            RootContext.free_unreferenced = lambda self, current: None  # type: ignore[method-assign]
+        ids, targets = batch(0, 2 * world)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "twice"):
+            loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()  # warm-up
+            with CommCounter().active() as counter:
+                loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+        counts[early] = counter.calls["all_gather"]
+    return counts
+
+
+def test_freeing_early_never_adds_all_gathers() -> None:
+    for kind in ("plain", "checkpoint", "twice"):
+        for out in run_ranks(_gathers_worker, 2, kind):
+            assert out[True] == out[False], (kind, out)
