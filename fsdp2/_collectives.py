@@ -87,8 +87,9 @@ def reduce_scatter_flat(
     """Sum ``input2d`` (``world x n``) over ranks; the result is this rank's row.
 
     With ``use_all_reduce`` the sum runs as an in-place all-reduce and the result is
-    a view of ``input2d``: on gloo this is 1.1-1.5x faster than its reduce-scatter at
-    10k-1M elements per rank (tools/bench_collectives.py), though it moves more bytes.
+    a view of ``input2d``: on gloo it beat the reduce-scatter at ~25k and at 1M+ elements
+    per rank and was about even in between (tools/bench_collectives.py), though it moves
+    more bytes.
     """
     with record_function("fsdp2::reduce_scatter"):
         if input2d.shape[0] == 1:  # a group of one rank: the sum is the input
