@@ -300,10 +300,7 @@ class ParamGroup:
 
     def post_backward(self) -> None:
         """Phase 4's end: reshard and issue this group's reduce-scatters."""
-        self.pending_nodes = 0
-        self.generation += 1
-        self.saved_by_hooks = False
-        self.hooked_calls = self.started_backward_calls = 0
+        self._forget_calls()
         if self.reshard_after_backward:
             self.reshard()
         self.training_state = TrainingState.IDLE
@@ -314,6 +311,13 @@ class ParamGroup:
                 b.start_reduce()
                 assert self.ctx is not None
                 self.ctx.add_pending_reduce(self, b)
+
+    def _forget_calls(self) -> None:
+        """Start counting forward calls afresh; older nodes no longer count."""
+        self.pending_nodes = 0
+        self.generation += 1
+        self.saved_by_hooks = False
+        self.hooked_calls = self.started_backward_calls = 0
 
     def is_unreferenced_in_backward(self) -> bool:
         """Every forward call's backward started, its parameters are still gathered, and
@@ -341,10 +345,7 @@ class ParamGroup:
         self.reshard()
         for p in self.params:
             p.register_sharded()
-        self.pending_nodes = 0
-        self.generation += 1
-        self.saved_by_hooks = False
-        self.hooked_calls = self.started_backward_calls = 0
+        self._forget_calls()
         self._forwarded.clear()
         self.training_state = TrainingState.IDLE
 

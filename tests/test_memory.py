@@ -7,7 +7,6 @@ import copy
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fsdp2
 from _comm import CommCounter
@@ -85,13 +84,13 @@ class _DetachedScale(torch.autograd.Function):
     the storage without being the parameter view fsdp2 handed out."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.w = w.detach()
         return x * w
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (x,) = ctx.saved_tensors
         return grad * ctx.w, (grad * x).flatten(0, -2).sum(0)
 
