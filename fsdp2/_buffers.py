@@ -21,6 +21,7 @@ group's buffer and the prefetched or still-reducing one.
 from __future__ import annotations
 
 import bisect
+import weakref
 
 import torch
 
@@ -31,7 +32,9 @@ class BufferPool:
     def __init__(self, max_free: int = 3) -> None:
         self.max_free = max_free
         self._free: dict[torch.device, list[torch.Tensor]] = {}
-        self._in_use: dict[int, torch.Tensor] = {}  # id(handed-out view) -> its byte buffer
+        # id(handed-out view) -> its byte buffer, and the finalizer that forgets the entry
+        # if the holder is collected without releasing it (e.g. a model dropped mid-step).
+        self._in_use: dict[int, tuple[torch.Tensor, weakref.finalize]] = {}
         self.allocations = 0  # how many buffers were ever created
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -45,14 +48,16 @@ class BufferPool:
             raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self.allocations += 1
         buf = raw[:nbytes].view(dtype)
-        self._in_use[id(buf)] = raw
+        self._in_use[id(buf)] = (raw, weakref.finalize(buf, self._in_use.pop, id(buf), None))
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
         """Give back a tensor from ``acquire``: the caller no longer reads or writes it."""
-        raw = self._in_use.pop(id(buf), None)
-        if raw is None:
+        entry = self._in_use.pop(id(buf), None)
+        if entry is None:
             raise AssertionError("fsdp2 internal error: released a buffer the pool did not hand out")
+        raw, forget = entry
+        forget.detach()
         free = self._free.setdefault(raw.device, [])
         bisect.insort(free, raw, key=torch.Tensor.numel)
         if len(free) > self.max_free:

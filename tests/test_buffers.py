@@ -53,3 +53,13 @@ def test_releasing_a_foreign_tensor_is_an_internal_error() -> None:
     pool.release(buf)
     with pytest.raises(AssertionError, match="did not hand out"):
         pool.release(buf)
+
+
+def test_a_buffer_dropped_without_release_is_not_kept() -> None:
+    pool = BufferPool()
+    buf = pool.acquire(1000, torch.float32, CPU)
+    del buf  # its holder went away mid-step
+    assert pool._in_use == {} and pool.idle_bytes() == 0
+    again = pool.acquire(10, torch.float32, CPU)
+    pool.release(again)
+    assert pool.idle_bytes() == 40
