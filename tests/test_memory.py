@@ -112,12 +112,14 @@ class EarlyRootUse(ToyModel):
         return self.head(self.extra(x))
 
 
-def _early_use_worker(rank: int, world: int, alias: bool) -> bool:
+def _second_step_grads_worker(rank: int, world: int, model_cls: type, *args: object) -> bool:
+    """Gradients of a second step (forward order known, so freeing early is on) against a
+    local float64 replica fed the global batch."""
     torch.manual_seed(0)
-    ref = EarlyRootUse(alias).double()
+    ref = model_cls(*args).double()
     model = _shard(copy.deepcopy(ref))
     ids, targets = batch(0, 2 * world)
-    for _ in range(2):  # the second step runs with the forward order known
+    for _ in range(2):
         model.zero_grad()
         loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
     loss_fn(ref(ids), targets).backward()
@@ -126,7 +128,7 @@ def _early_use_worker(rank: int, world: int, alias: bool) -> bool:
 
 def test_root_parameters_still_saved_for_backward_stay_gathered() -> None:
     for alias in (False, True):
-        assert all(run_ranks(_early_use_worker, 2, alias)), alias
+        assert all(run_ranks(_second_step_grads_worker, 2, EarlyRootUse, alias)), alias
 
 
 class FrozenRootBetweenBlocks(ToyModel):
@@ -144,20 +146,8 @@ class FrozenRootBetweenBlocks(ToyModel):
         return self.head(self.extra(self.blocks[1](x)))
 
 
-def _frozen_root_worker(rank: int, world: int) -> bool:
-    torch.manual_seed(0)
-    ref = FrozenRootBetweenBlocks().double()
-    model = _shard(copy.deepcopy(ref))
-    ids, targets = batch(0, 2 * world)
-    for _ in range(2):
-        model.zero_grad()
-        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
-    loss_fn(ref(ids), targets).backward()
-    return _grads_match(model, ref)
-
-
 def test_frozen_root_parameters_saved_by_autograd_stay_gathered() -> None:
-    assert all(run_ranks(_frozen_root_worker, 2))
+    assert all(run_ranks(_second_step_grads_worker, 2, FrozenRootBetweenBlocks))
 
 
 class Mlp(nn.Module):
