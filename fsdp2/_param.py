@@ -48,6 +48,7 @@ class FSDPParam:
         self.rs_index = -1  # index among the bucket's reduced parameters; -1 when frozen
         self.bucket_index = -1  # index in the bucket's parameter list
         self.sharded: nn.Parameter | None = None
+        self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (unsharded) value of this parameter."""
@@ -68,6 +69,13 @@ class FSDPParam:
         if spec is None or spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
             return self.to_dtensor(local, mesh)
         return DTensor(local, spec, requires_grad=False)
+
+    def optimizer_alias(self, local: torch.Tensor) -> torch.Tensor:
+        """A plain tensor sharing ``local``'s data, stepped by the optimizer in its place
+        (``fsdp2._optim``); made once per local shard."""
+        if self._alias is None or self._alias[0] is not local:
+            self._alias = (local, local.detach())
+        return self._alias[1]
 
     def register(self, value: torch.Tensor) -> None:
         """Make ``value`` what every owner module sees under this parameter's name."""

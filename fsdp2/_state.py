@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
+from . import _optim
 from ._bucket import FlatBucket
 from ._group import ParamGroup, ShardState, TrainingState
 
@@ -51,6 +52,8 @@ class FSDPState:
         if ctx is None:
             ctx = RootContext.lazy_init(self)
         if ctx.root is self.group:
+            if _optim._ACTIVE:
+                _optim.repair_all()  # an optimizer step raised midway
             ctx.start_iteration()
         ctx.active_forwards += 1
         return self.group.pre_forward(self.module, args, kwargs)

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _classes
+from . import _classes, _optim
 from ._bucket import CommContext
 from ._buffers import BufferPool
 from ._group import ParamGroup, ShardState
@@ -102,7 +102,8 @@ def fully_shard(
         _remember(_REPLACED, id(original), (weakref.ref(original), fp.fqn))
     register_load_hooks(fsdp_params)
     if not _OPTIMIZER_HOOK:
-        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer_params))
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_pre_optimizer_step))
+        _OPTIMIZER_HOOK.append(_optim.register_post_hook())
     for m in modules:
         m.__dict__["_fsdp2_state"] = FSDPState(m, group)
         m.__class__ = _fsdp_class(type(m))
@@ -399,8 +400,9 @@ def _remember(registry: dict, key: int, value: Any) -> None:
         weakref.finalize(target, registry.pop, key, None)
 
 
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook: refuse to step parameters fully_shard replaced."""
+def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: refuse to step parameters fully_shard replaced,
+    then step managed parameters on their local shards where that is exact."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             entry = _REPLACED.get(id(p))
@@ -410,6 +412,7 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                     "fully_shard, which no longer belongs to the model (it trains nothing). Create "
                     "the optimizer after fully_shard: optimizer = Optimizer(model.parameters(), ...)"
                 )
+    _optim.pre_step(optimizer, args, kwargs, _managed_by)
 
 
 def _managed_by(p: torch.Tensor) -> FSDPParam | None:
