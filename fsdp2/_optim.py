@@ -60,7 +60,7 @@ local_steps = 0
 class _Swapped:
     """One parameter put back after the step."""
 
-    __slots__ = ("alias", "index", "local_state", "locals", "param", "params", "state")
+    __slots__ = ("alias", "grad", "index", "local_state", "locals", "param", "params", "state")
 
     def __init__(
         self,
@@ -68,6 +68,7 @@ class _Swapped:
         index: int,
         param: torch.Tensor,
         alias: torch.Tensor,
+        grad: torch.Tensor | None,
         state: dict | None,
         local_state: dict | None,
         locals_: dict[Any, torch.Tensor],
@@ -76,6 +77,7 @@ class _Swapped:
         self.index = index
         self.param = param
         self.alias = alias
+        self.grad = grad
         self.state = state
         self.local_state = local_state
         self.locals = locals_
@@ -94,8 +96,9 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, manage
     if not _eligible(optimizer, args, kwargs):
         return
     swapped: list[_Swapped] = []
+    seen: set[int] = set()
     for group in optimizer.param_groups:
-        planned = _plan_group(optimizer, group, managed)
+        planned = _plan_group(optimizer, group, managed, seen)
         if planned:
             swapped.extend(planned)
     if not swapped:
@@ -105,12 +108,13 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, manage
         optimizer.register_state_dict_pre_hook(repair)
         optimizer.register_load_state_dict_pre_hook(lambda opt, sd: repair(opt))
     state = optimizer.state
+    _ACTIVE[id(optimizer)] = (weakref.ref(optimizer), swapped)  # first: repairable from here on
     for s in swapped:
         s.params[s.index] = s.alias
+        s.alias.grad = s.grad
         if s.state is not None:
             del state[s.param]
             state[s.alias] = s.local_state
-    _ACTIVE[id(optimizer)] = (weakref.ref(optimizer), swapped)
     local_steps += 1
 
 
@@ -159,8 +163,11 @@ def register_post_hook() -> Any:
     return handle
 
 
-def _plan_group(optimizer: torch.optim.Optimizer, group: dict, managed: Callable) -> list[_Swapped] | None:
-    """What swapping this parameter group means, or ``None`` if it must stay DTensor."""
+def _plan_group(
+    optimizer: torch.optim.Optimizer, group: dict, managed: Callable, seen: set[int]
+) -> list[_Swapped] | None:
+    """What swapping this parameter group means, or ``None`` if it must stay DTensor.
+    Plans only: nothing is changed until every group is planned."""
     params = group["params"]
     # Plain SGD keeps no state at all: nothing for a first DTensor step to create.
     stateless = type(optimizer) is torch.optim.SGD and not group.get("momentum")
@@ -172,6 +179,9 @@ def _plan_group(optimizer: torch.optim.Optimizer, group: dict, managed: Callable
             if isinstance(p, DTensor):
                 return None  # a DTensor we do not manage: a foreach list may not mix kinds
             continue
+        if id(p) in seen:
+            return None  # listed twice (torch only warns): one alias could not stand for both
+        seen.add(id(p))
         local = p._local_tensor
         grad = p.grad
         if grad is not None and not _same_layout(grad, p, local):
@@ -190,10 +200,15 @@ def _plan_group(optimizer: torch.optim.Optimizer, group: dict, managed: Callable
                     if not _same_layout(v, p, local):
                         return None
                     v = locals_[k] = v._local_tensor
+                elif v is None or (isinstance(v, torch.Tensor) and v.dim() > 0):
+                    # A placeholder the step may fill (SGD's momentum_buffer saved as None),
+                    # or a full-size plain tensor where DTensor state belongs: the DTensor
+                    # path decides what happens, as it would without fsdp2's fast path.
+                    return None
                 local_state[k] = v
         alias = fp.optimizer_alias(local)
-        alias.grad = None if grad is None else grad._local_tensor
-        planned.append(_Swapped(params, i, p, alias, st, local_state, locals_))
+        local_grad = None if grad is None else grad._local_tensor
+        planned.append(_Swapped(params, i, p, alias, local_grad, st, local_state, locals_))
     return planned
 
 
@@ -217,7 +232,7 @@ def _restore(optimizer: torch.optim.Optimizer, swapped: list[_Swapped]) -> None:
         local_state = state.pop(s.alias, None)
         if s.state is None:
             if local_state:
-                state[s.param] = local_state
+                state[s.param] = {k: _as_param_layout(v, s) for k, v in local_state.items()}
             continue
         if local_state is not None:
             for k, v in local_state.items():
@@ -226,5 +241,17 @@ def _restore(optimizer: torch.optim.Optimizer, swapped: list[_Swapped]) -> None:
                         orig = s.state[k]
                         s.state[k] = DTensor(v, orig._spec, requires_grad=False)
                 else:
-                    s.state[k] = v
+                    s.state[k] = _as_param_layout(v, s)
         state[s.param] = s.state
+
+
+def _as_param_layout(value: Any, s: _Swapped) -> Any:
+    """A state tensor the step created on the alias, as the DTensor path would have made
+    it: with the parameter's layout when it has the shard's shape (0-dim ones stay plain:
+    a step count cannot be told from a 0-dim parameter's moment)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == s.alias.shape:
+        p = s.param
+        return DTensor.from_local(
+            value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return value

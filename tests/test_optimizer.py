@@ -5,6 +5,7 @@ path would not be exact, and nothing left swapped when a step raises."""
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 from unittest import mock
 
@@ -17,6 +18,7 @@ import fsdp2
 from _dist import run_ranks
 from _models import ToyModel, batch, full_params, loss_fn
 from fsdp2 import _optim
+from fsdp2.fully_shard import _managed_by
 
 STEPS = 4
 PER_RANK_BATCH = 2
@@ -161,14 +163,50 @@ def _worker_fallbacks(rank: int, world: int) -> dict[str, int]:
         opt.step()
         opt.zero_grad()
     out["foreign_dtensor"] = _optim.local_steps - before
+    # Planning a group that then falls back leaves no gradient on any alias.
+    out["no_grad_left_on_aliases"] = all(
+        fp._alias is None or fp._alias[1].grad is None for fp in map(_managed_by, model.parameters())
+    )
+
+    # A parameter listed twice (torch warns) and a state placeholder the step fills in.
+    model, _ = _build(rank, world)
+    params = list(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = torch.optim.SGD([*params, params[1]], lr=0.1, momentum=0.9)
+    before = _optim.local_steps
+    for step in range(2):
+        ids, targets = batch(step, PER_RANK_BATCH)
+        loss_fn(model(ids), targets).backward()
+        opt.step()
+        opt.zero_grad()
+    out["duplicate"] = _optim.local_steps - before
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for p in params:
+        opt.state[p]["momentum_buffer"] = None  # as torch <= 2.2 saved momentum-free SGD
+    ids, targets = batch(0, PER_RANK_BATCH)
+    loss_fn(model(ids), targets).backward()
+    opt.step()
+    out["placeholder_filled_as_dtensor"] = all(
+        isinstance(opt.state[p]["momentum_buffer"], DTensor) for p in params
+    )
     return out
 
 
 def test_fast_path_only_where_exact() -> None:
-    """Subclasses, step hooks, closures and unmanaged DTensors step on DTensors, and
-    the results still match local training."""
+    """Subclasses, step hooks, closures, unmanaged DTensors, duplicates and state
+    placeholders step on DTensors, and the results still match local training."""
     out = run_ranks(_worker_fallbacks, 2)[0]
-    assert out == dict(subclass=0, hooked=0, hook_saw_dtensors=True, closure=0, foreign_dtensor=0)
+    assert out == dict(
+        subclass=0,
+        hooked=0,
+        hook_saw_dtensors=True,
+        closure=0,
+        foreign_dtensor=0,
+        no_grad_left_on_aliases=True,
+        duplicate=0,
+        placeholder_filled_as_dtensor=True,
+    )
 
 
 def _worker_raise(rank: int, world: int) -> dict[str, Any]:
