@@ -131,6 +131,11 @@ class FlatBucket:
             for p in self.sharded_params
         ]
         self.unsharded_views = [self._unsharded_view(flat, p) for p in self.params]
+        # One rank, no dtype change on the way in or out: the module computes with leaf
+        # aliases of the shards and autograd accumulates their ``.grad`` itself, as in
+        # local training; ``commit_direct`` hands them to the sharded parameters.
+        self.direct = self.gather_is_identity and self.reduce_dtype == self.dtype
+        self.direct_leaves = [v.detach() for v in self.unsharded_views] if self.direct else []
         # How many references to the unsharded storage are our own (the tensors above);
         # any more means some tensor outside, e.g. one autograd saved, can still read it.
         self._own_storage_refs = _storage_refs(flat)
@@ -406,9 +411,21 @@ class FlatBucket:
                     _accumulate_grad(p, value.view(()), self.comm.mesh)
         self._ready_grads.clear()
 
+    def commit_direct(self, divide_factor: float) -> None:
+        """Direct mode: move the leaves' accumulated gradients into ``.grad``."""
+        for p, leaf in zip(self.params, self.direct_leaves):
+            grad = leaf.grad
+            if grad is not None:
+                leaf.grad = None
+                if divide_factor != 1:
+                    grad.div_(divide_factor)
+                _accumulate_grad(p, grad, self.comm.mesh)
+
     def drop_reduce_state(self) -> None:
         """Forget deposited gradients and any reduce-scatter (after an exception)."""
         self._ready_grads.clear()
+        for leaf in self.direct_leaves:
+            leaf.grad = None
         if self._pending_reduce is not None:
             try:
                 wait_pending(self._pending_reduce)

@@ -18,6 +18,7 @@ Lifecycle of a group in one training step:
 
 from __future__ import annotations
 
+import operator
 import weakref
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,7 @@ class ParamGroup:
         self.order_index = -1  # position in the root's recorded forward order
         self.ctx: RootContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
+        self._checked_flats: list[torch.Tensor] = []  # sharded flats found materialized
         self._anchor = torch.empty(0, device=device if device.type != "meta" else "cpu", requires_grad=True)
 
     def set_name(self, name: str) -> None:
@@ -153,7 +155,16 @@ class ParamGroup:
                 b.reshard_partial(value, self.partial_index)
             self.shard_state = ShardState.PARTIAL
 
+    @property
+    def direct(self) -> bool:
+        """One rank, no dtype change: gradients accumulate in leaf aliases of the shards
+        (see ``FlatBucket.direct``) with no autograd node or copy of ours in backward."""
+        return all(b.direct for b in self.buckets)
+
     def _check_materialized(self) -> None:
+        flats = [b.sharded_flat for b in self.buckets]
+        if len(flats) == len(self._checked_flats) and all(map(operator.is_, flats, self._checked_flats)):
+            return
         mesh_type = self.comm.mesh.device_type
         for b in self.buckets:
             device = b.sharded_flat.device
@@ -170,11 +181,13 @@ class ParamGroup:
                     "materialize them first with model.to_empty(device=...) and initialize them "
                     "(e.g. reset_parameters() or load_state_dict)"
                 )
+        self._checked_flats = flats
 
     def rebind(self) -> None:
         """After ``module._apply``: adopt the new parameter data, once every module of the
         group has been converted (``to_empty`` reaches the modules of a list one by one)."""
         self.reshard()
+        self._checked_flats = []
         current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
         if len({(t.device, t.dtype if t.is_floating_point() else None) for t in current}) > 1:
             return  # another module's _apply will finish the conversion
@@ -207,6 +220,13 @@ class ParamGroup:
         self, module: nn.Module, args: tuple, kwargs: dict, counted: bool
     ) -> tuple[tuple, dict]:
         params = self.module_params[id(module)]
+        if self.direct:
+            for p in params:
+                leaf = self._bucket_of[id(p)].direct_leaves[p.bucket_index]
+                if leaf.requires_grad != p.sharded.requires_grad:  # type: ignore[union-attr]
+                    leaf.requires_grad_(p.sharded.requires_grad)  # type: ignore[union-attr]
+                p.register(leaf)
+            return args, kwargs
         inputs = collect_tensors((args, kwargs), _requires_grad) if torch.is_grad_enabled() else []
         trainable = torch.is_grad_enabled() and any(p.sharded.requires_grad for p in params)  # type: ignore[union-attr]
         if not (inputs or trainable):
@@ -300,7 +320,7 @@ class ParamGroup:
 
     def post_backward(self) -> None:
         """Phase 4's end: reshard and issue this group's reduce-scatters."""
-        self._forget_calls()
+        self.forget_calls()
         if self.reshard_after_backward:
             self.reshard()
         self.training_state = TrainingState.IDLE
@@ -312,7 +332,7 @@ class ParamGroup:
                 assert self.ctx is not None
                 self.ctx.add_pending_reduce(self, b)
 
-    def _forget_calls(self) -> None:
+    def forget_calls(self) -> None:
         """Start counting forward calls afresh; older nodes no longer count."""
         self.pending_nodes = 0
         self.generation += 1
@@ -345,7 +365,7 @@ class ParamGroup:
         self.reshard()
         for p in self.params:
             p.register_sharded()
-        self._forget_calls()
+        self.forget_calls()
         self._forwarded.clear()
         self.training_state = TrainingState.IDLE
 

@@ -191,6 +191,11 @@ class RootContext:
             while self.pending_reduces:
                 self._finish_oldest_reduce()
         for g in self.groups:
+            if g.direct:
+                g.forget_calls()
+                if g.requires_gradient_sync:
+                    for b in g.buckets:
+                        b.commit_direct(g.divide_factor())
             for b in g.buckets:
                 b.commit_grads()
             if g.reshard_after_backward:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -169,8 +170,9 @@ def _reshard_after_backward_worker(rank: int, world: int) -> dict:
     return {"kept_unsharded": kept, "resharded": all(g.shard_state is ShardState.SHARDED for g in _groups(model)), "grad_ok": worst < 1e-12}
 
 
-def test_reshard_after_backward_and_divide_factor() -> None:
-    for out in run_ranks(_reshard_after_backward_worker, 2):
+@pytest.mark.parametrize("world", [1, 2])
+def test_reshard_after_backward_and_divide_factor(world: int) -> None:
+    for out in run_ranks(_reshard_after_backward_worker, world):
         assert all(out.values()), out
 
 
@@ -202,8 +204,9 @@ def _checkpointing_worker(rank: int, world: int) -> float:
     return max((got[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
 
 
-def test_activation_checkpointing_matches_local() -> None:
-    assert max(run_ranks(_checkpointing_worker, 2)) < 1e-12
+@pytest.mark.parametrize("world", [1, 2])
+def test_activation_checkpointing_matches_local(world: int) -> None:
+    assert max(run_ranks(_checkpointing_worker, world)) < 1e-12
 
 
 class ReentrantCheckpointed(ToyModel):
@@ -239,8 +242,9 @@ def _reentrant_and_list_meta_worker(rank: int, world: int) -> bool:
     return worst < 1e-12
 
 
-def test_reentrant_checkpointing_and_list_group_meta_init() -> None:
-    assert run_ranks(_reentrant_and_list_meta_worker, 2) == [True, True]
+@pytest.mark.parametrize("world", [1, 2])
+def test_reentrant_checkpointing_and_list_group_meta_init(world: int) -> None:
+    assert all(run_ranks(_reentrant_and_list_meta_worker, world))
 
 
 def _dropped_forward_worker(rank: int, world: int) -> list[int]:
@@ -270,5 +274,44 @@ def _last_backward_worker(rank: int, world: int) -> float:
     return max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 
 
-def test_is_last_backward_false_over_micro_batches() -> None:
-    assert max(run_ranks(_last_backward_worker, 2)) < 1e-12
+@pytest.mark.parametrize("world", [1, 2])
+def test_is_last_backward_false_over_micro_batches(world: int) -> None:
+    assert max(run_ranks(_last_backward_worker, world)) < 1e-12
+
+
+def _one_rank_worker(rank: int, world: int, param_dtype: torch.dtype | None) -> dict:
+    torch.manual_seed(0)
+    ref = ToyModel().double()
+    model = copy.deepcopy(ref)
+    mp = fsdp2.MixedPrecisionPolicy(param_dtype=param_dtype)
+    for block in model.blocks:
+        fsdp2.fully_shard(block, mp_policy=mp)
+    fsdp2.fully_shard(model, mp_policy=mp)
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(m.fc1.weight.is_leaf))
+    ids, tg = batch(0, 2)
+    out = model(ids)
+    nodes, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            stack.extend(n for n, _ in node.next_functions)
+    loss_fn(out.double(), tg).backward()
+    loss_fn(ref(ids), tg).backward()
+    worst = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return {
+        "leaf_params": seen == [True],
+        "our_nodes": sum("UnshardedParams" in type(n).__name__ for n in nodes),
+        "worst": worst,
+    }
+
+
+def test_one_rank_computes_on_leaf_aliases_of_the_shards() -> None:
+    """World 1 without a dtype change: modules see leaves sharing the shards' storage and
+    autograd accumulates their gradients itself (no node of ours in the graph); with a
+    compute dtype the regular path runs. Both match local training."""
+    direct = run_ranks(_one_rank_worker, 1, None)[0]
+    assert direct["leaf_params"] and direct["our_nodes"] == 0 and direct["worst"] < 1e-12, direct
+    cast = run_ranks(_one_rank_worker, 1, torch.float32)[0]
+    assert not cast["leaf_params"] and cast["our_nodes"] == 4 and cast["worst"] < 1e-5, cast

@@ -90,3 +90,11 @@ def test_recovery_after_exceptions() -> None:
         for explicit in (True, False):
             for out in run_ranks(_recovery_worker, 2, where, explicit):
                 assert all(out.values()), (where, explicit, out)
+
+
+def test_recovery_after_exceptions_on_one_rank() -> None:
+    """On one rank gradients accumulate in leaf aliases of the shards: a failed backward
+    must leave nothing in them either."""
+    for where in ("forward", "backward"):
+        for out in run_ranks(_recovery_worker, 1, where, False):
+            assert all(out.values()), (where, out)
