@@ -68,6 +68,7 @@ class FlatBucket:
         self.params = params
         for i, p in enumerate(params):
             p.bucket_index = i
+            p.bucket = self
         self.comm = comm
         self.dtype = params[0].dtype
         self.compute_dtype = compute_dtype
@@ -93,6 +94,7 @@ class FlatBucket:
         self._ready_grads: list[tuple[ReduceLayout, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._layout: ReduceLayout | None = None
         self._layout_key: tuple[bool, ...] = ()
+        self._flat_alias: tuple[torch.Tensor, torch.Tensor] | None = None
         self._allocate_sharded(originals, device)
 
     # ------------------------------------------------------------------ storage
@@ -146,6 +148,13 @@ class FlatBucket:
             return flat[self.comm.world * self.shard_numel + (p.offset - self.shard_numel)].view(())
         start = self.comm.world * p.offset
         return flat[start : start + p.shape.numel()].view(p.shape)
+
+    def optimizer_flat_alias(self) -> torch.Tensor:
+        """A plain tensor sharing the sharded flat buffer, stepped by the optimizer in
+        place of all of this bucket's parameters (``fsdp2._optim``)."""
+        if self._flat_alias is None or self._flat_alias[0] is not self.sharded_flat:
+            self._flat_alias = (self.sharded_flat, self.sharded_flat.detach())
+        return self._flat_alias[1]
 
     def local_view(self, p: FSDPParam) -> torch.Tensor:
         """``p``'s real rows inside the sharded flat buffer."""
@@ -412,7 +421,24 @@ class FlatBucket:
         self._ready_grads.clear()
 
     def commit_direct(self, divide_factor: float) -> None:
-        """Direct mode: move the leaves' accumulated gradients into ``.grad``."""
+        """Direct mode: move the leaves' accumulated gradients into ``.grad``. When every
+        parameter got one and none had one yet, they go into one flat tensor laid out like
+        the shards, so the optimizer can step the bucket as one tensor (``fsdp2._optim``)."""
+        grads = [leaf.grad for leaf in self.direct_leaves]
+        if (
+            len(grads) > 1
+            and not self.scalars
+            and all(g is not None for g in grads)
+            and all(p.sharded.grad is None for p in self.params)  # type: ignore[union-attr]
+        ):
+            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+            if divide_factor != 1:
+                flat.div_(divide_factor)
+            for p, leaf in zip(self.params, self.direct_leaves):
+                leaf.grad = None
+                local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
+                p.sharded.grad = p.grad_dtensor(local, self.comm.mesh)  # type: ignore[union-attr]
+            return
         for p, leaf in zip(self.params, self.direct_leaves):
             grad = leaf.grad
             if grad is not None:

@@ -11,6 +11,7 @@ replicated (``Replicate()``) and their gradients are summed over ranks.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,7 @@ class FSDPParam:
         self.offset = -1  # element offset of this shard in the bucket's per-rank section
         self.rs_index = -1  # index among the bucket's reduced parameters; -1 when frozen
         self.bucket_index = -1  # index in the bucket's parameter list
+        self.bucket: Any = None  # the FlatBucket holding this parameter
         self.sharded: nn.Parameter | None = None
         self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
 

@@ -44,10 +44,10 @@ class AdamWSubclass(torch.optim.AdamW):
     """A subclass may compute norms over a whole parameter: it steps on DTensors."""
 
 
-def _build(rank: int, world: int) -> tuple[nn.Module, nn.Module]:
+def _build(rank: int, world: int, scalar_gate: bool = True) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    ref = ToyModel().double()
-    model = ToyModel().double()
+    ref = ToyModel(scalar_gate=scalar_gate).double()
+    model = ToyModel(scalar_gate=scalar_gate).double()
     model.load_state_dict(ref.state_dict())
     for block in model.blocks:
         fsdp2.fully_shard(block)
@@ -55,33 +55,42 @@ def _build(rank: int, world: int) -> tuple[nn.Module, nn.Module]:
     return model, ref
 
 
-def _train_step(model: nn.Module, ref: nn.Module, step: int, rank: int, world: int) -> None:
+def _train_step(
+    model: nn.Module, ref: nn.Module, step: int, rank: int, world: int, use_extra: bool = True
+) -> None:
     ids, targets = batch(step, PER_RANK_BATCH * world)
-    loss_fn(ref(ids), targets).backward()
-    loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    loss_fn(ref(ids, use_extra), targets).backward()
+    loss_fn(model(ids.chunk(world)[rank], use_extra), targets.chunk(world)[rank]).backward()
 
 
-def _parity(rank: int, world: int, make_opt: Any, step_kwargs: dict | None = None) -> int:
-    """Train STEPS steps against a local reference; return the fast-path steps taken."""
-    model, ref = _build(rank, world)
+def _parity(
+    rank: int, world: int, make_opt: Any, scalar_gate: bool = True, unused_every_other: bool = False
+) -> dict[str, int]:
+    """Train STEPS steps against a local reference; return the fast-path steps taken and
+    the buckets stepped as one flat tensor."""
+    model, ref = _build(rank, world, scalar_gate)
     opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
-    before = _optim.local_steps
+    before, flat_before = _optim.local_steps, _optim.flat_buckets
     for step in range(STEPS):
-        _train_step(model, ref, step, rank, world)
+        _train_step(model, ref, step, rank, world, use_extra=not (unused_every_other and step % 2))
         for o in (opt, ref_opt):
-            o.step(**(step_kwargs or {}))
+            o.step()
             o.zero_grad()
     got, want = full_params(model), full_params(ref)
     for name in want:
         torch.testing.assert_close(
             got[name], want[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}"
         )
-    _check_state(model, opt)
-    return _optim.local_steps - before
+    _check_state(model, opt, ref, ref_opt)
+    return {"fast": _optim.local_steps - before, "flat": _optim.flat_buckets - flat_before}
 
 
-def _check_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """After a step the optimizer holds the model's DTensor parameters and DTensor state."""
+def _check_state(
+    model: nn.Module, opt: torch.optim.Optimizer, ref: nn.Module | None = None, ref_opt: Any = None
+) -> None:
+    """After a step the optimizer holds the model's DTensor parameters and DTensor state,
+    and (given the reference) every per-parameter scalar, such as the step count, and every
+    state tensor equals the reference's."""
     params = list(model.parameters())
     held = [p for g in opt.param_groups for p in g["params"]]
     assert len(held) == len(params) and all(a is b for a, b in zip(held, params))
@@ -92,12 +101,30 @@ def _check_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
                 assert isinstance(value, DTensor), key
                 assert value.placements == p.placements, key
     assert set(map(id, opt.state)) <= set(map(id, params))
+    if ref is None:
+        return
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        mine, theirs = opt.state.get(p, {}), ref_opt.state.get(q, {})
+        assert mine.keys() == theirs.keys(), name
+        for key, want in theirs.items():
+            got = mine[key]
+            got = got.full_tensor() if isinstance(got, DTensor) else got
+            if isinstance(want, torch.Tensor):
+                torch.testing.assert_close(
+                    got, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name} {key}: {m}"
+                )
+            else:
+                assert got == want, (name, key)
 
 
 def _worker_all(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (cls, kwargs) in OPTIMIZERS.items():
-        out[name] = _parity(rank, world, functools.partial(cls, **kwargs))
+        make = functools.partial(cls, **kwargs)
+        out[name] = _parity(rank, world, make)
+        out[name + "/no_scalars"] = _parity(rank, world, make, scalar_gate=False)
+    adamw = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    out["adamw/unused"] = _parity(rank, world, adamw, scalar_gate=False, unused_every_other=True)
     return out
 
 
@@ -106,19 +133,38 @@ def _results(world: int) -> dict[str, Any]:
     return run_ranks(_worker_all, world)[0]
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_elementwise_optimizers_match_local_training_on_local_shards(name: str) -> None:
-    fast_steps = _results(2)[name]
+CASES = [(w, n) for w in (1, 2) for n in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("world,name", CASES, ids=[f"{w}-{n}" for w, n in CASES])
+def test_elementwise_optimizers_match_local_training_on_local_shards(world: int, name: str) -> None:
+    """Parameters, state tensors and step counts match local training. With a 0-dim
+    parameter in each block only the root's bucket steps as one flat tensor; without,
+    all four buckets do."""
+    results = _results(world)
     # The first step creates the state through DTensors; Adagrad creates it at
     # construction and plain SGD keeps none, so those take every step fast.
-    expected = STEPS if name in ("sgd", "adagrad") else STEPS - 1
-    assert fast_steps == expected
+    fast = STEPS if name in ("sgd", "adagrad") else STEPS - 1
+    assert results[name] == {"fast": fast, "flat": fast}
+    assert results[name + "/no_scalars"] == {"fast": fast, "flat": 4 * fast}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bucket_with_an_unused_parameter_steps_per_parameter(world: int) -> None:
+    """``extra`` gets no gradient every other step: the root's bucket steps per parameter
+    then, and afterwards too (its step counts differ from the embedding's)."""
+    result = _results(world)["adamw/unused"]
+    # Steps 1..3 fast: the 3 blocks flat each time, the root never (no gradient for
+    # extra at steps 1 and 3, one step fewer counted for it than for emb at step 2).
+    assert result["fast"] == STEPS - 1 and result["flat"] == 3 * (STEPS - 1), result
 
 
 def _worker_fallbacks(rank: int, world: int) -> dict[str, int]:
     out = {}
     adamw = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
-    out["subclass"] = _parity(rank, world, functools.partial(AdamWSubclass, lr=0.05, weight_decay=0.1))
+    out["subclass"] = _parity(rank, world, functools.partial(AdamWSubclass, lr=0.05, weight_decay=0.1))[
+        "fast"
+    ]
 
     seen: list[bool] = []
 
@@ -130,7 +176,7 @@ def _worker_fallbacks(rank: int, world: int) -> dict[str, int]:
             )
         return opt
 
-    out["hooked"] = _parity(rank, world, with_hook)
+    out["hooked"] = _parity(rank, world, with_hook)["fast"]
     out["hook_saw_dtensors"] = len(seen) == STEPS and all(seen)
 
     # A closure may zero and recompute gradients inside step().
@@ -209,8 +255,8 @@ def test_fast_path_only_where_exact() -> None:
     )
 
 
-def _worker_raise(rank: int, world: int) -> dict[str, Any]:
-    model, ref = _build(rank, world)
+def _worker_raise(rank: int, world: int, scalar_gate: bool) -> dict[str, Any]:
+    model, ref = _build(rank, world, scalar_gate)
     make = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     out: dict[str, Any] = {}
@@ -241,7 +287,7 @@ def _worker_raise(rank: int, world: int) -> dict[str, Any]:
     got, want = full_params(model), full_params(ref)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
-    _check_state(model, opt)
+    _check_state(model, opt, ref, ref_opt)
 
     # Raised, then zero_grad on the aliases, then forward: the root forward repairs,
     # and the gradients the aliases dropped are dropped on the parameters too.
@@ -260,8 +306,9 @@ def _worker_raise(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_step_that_raises_leaves_nothing_swapped() -> None:
-    out = run_ranks(_worker_raise, 2)[0]
+@pytest.mark.parametrize("scalar_gate", [True, False], ids=["per_param_blocks", "all_flat"])
+def test_step_that_raises_leaves_nothing_swapped(scalar_gate: bool) -> None:
+    out = run_ranks(_worker_raise, 2, scalar_gate)[0]
     assert out == dict(
         raised="injected",
         aliases_left=True,
@@ -273,7 +320,7 @@ def test_step_that_raises_leaves_nothing_swapped() -> None:
 
 def _worker_disabled(rank: int, world: int) -> int:
     with mock.patch.object(_optim, "ENABLED", False):
-        return _parity(rank, world, functools.partial(torch.optim.AdamW, lr=0.05))
+        return _parity(rank, world, functools.partial(torch.optim.AdamW, lr=0.05))["fast"]
 
 
 def test_disabled_steps_on_dtensors() -> None:
