@@ -51,6 +51,9 @@ class ReduceLayout(NamedTuple):
     offsets: list[int]  # column offset of each entry of ``params``
     grad_numel: int  # columns holding sharded gradients
     numel: int  # columns per rank in all: gradients, flags, scalars
+    # This rank's padding columns (rows past a parameter's end): never written by a
+    # deposit, zeroed in the result so a flat optimizer step keeps the padding at zero.
+    padding: list[tuple[int, int]]
 
 
 class FlatBucket:
@@ -160,9 +163,7 @@ class FlatBucket:
         """``p``'s real rows inside the sharded flat buffer."""
         if p.is_replicated:
             return self.sharded_flat[p.offset].view(())
-        return self.sharded_flat[p.offset : p.offset + p.local_rows * p.row_numel].view(
-            p.local_shape
-        )
+        return self.sharded_flat[p.offset : p.offset + p.local_rows * p.row_numel].view(p.local_shape)
 
     def _free_unsharded(self) -> None:
         if not self.gather_is_identity:
@@ -205,7 +206,9 @@ class FlatBucket:
                 if device.type != "meta":
                     view.copy_(local.reshape(view.shape))
                 grad = param.grad
-                fresh = torch.nn.Parameter(p.to_dtensor(view, self.comm.mesh), requires_grad=param.requires_grad)
+                fresh = torch.nn.Parameter(
+                    p.to_dtensor(view, self.comm.mesh), requires_grad=param.requires_grad
+                )
                 # Swap rather than ``.data =``: a DTensor keeps its local tensor in a Python
                 # attribute that ``.data`` would not update; the object stays the same.
                 torch.utils.swap_tensors(param, fresh)
@@ -309,7 +312,12 @@ class FlatBucket:
         for i, p in enumerate(params + scalars):
             p.rs_index = i
         flags = len(params) + len(scalars)
-        self._layout = ReduceLayout(params, scalars, offsets, col, col + flags + len(scalars))
+        padding = [
+            (off + p.local_rows * p.row_numel, off + p.shard_numel)
+            for p, off in zip(params, offsets)
+            if p.local_rows < p.chunk_rows
+        ]
+        self._layout = ReduceLayout(params, scalars, offsets, col, col + flags + len(scalars), padding)
         self._layout_key = key
         self._deposited = [False] * flags
         return self._layout
@@ -377,7 +385,11 @@ class FlatBucket:
             # Replicated scalars need bitwise-equal sums on every rank, but each rank's row
             # may be summed in a different order: reduce them with an all-reduce and read
             # them from row 0 on every rank.
-            buf, comm.group, comm.rank, comm.reduce_by_all_reduce or bool(layout.scalars), async_op=True,
+            buf,
+            comm.group,
+            comm.rank,
+            comm.reduce_by_all_reduce or bool(layout.scalars),
+            async_op=True,
             label=f"reduce-scatter of {self.name}",
         )
 
@@ -391,6 +403,8 @@ class FlatBucket:
         result = wait_pending(self._pending_reduce)
         with record_function("fsdp2::grad_copy"):
             grads = result[: layout.grad_numel].to(self.dtype, copy=True)
+            for start, end in layout.padding:
+                grads[start:end].zero_()
             if divide_factor != 1:
                 grads.div_(divide_factor)
             flag_end = layout.grad_numel + len(layout.params) + len(layout.scalars)
@@ -497,4 +511,6 @@ def _accumulate_grad(p: FSDPParam, local: torch.Tensor, mesh: DeviceMesh) -> Non
         param.grad = p.grad_dtensor(local, mesh)
     else:
         existing = param.grad
-        (existing.to_local() if isinstance(existing, torch.distributed.tensor.DTensor) else existing).add_(local)
+        (existing.to_local() if isinstance(existing, torch.distributed.tensor.DTensor) else existing).add_(
+            local
+        )

@@ -47,6 +47,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import optimizer as _optimizer
 
+from ._param import make_dtensor
+
 ENABLED = os.environ.get("FSDP2_LOCAL_OPTIMIZER_STEP", "1") != "0"
 # Optimizers whose update of one element reads only that element's parameter, gradient
 # and state (plus per-parameter scalars such as the step count).
@@ -305,12 +307,17 @@ def _flat_swap(entries: list[_Swapped]) -> _FlatSwapped | None:
     flat_param = bucket.sharded_flat
     if flat_param.numel() != numel:
         return None
-    size = flat_param.element_size()
-    base = flat_param.data_ptr()
+    storage = flat_param.untyped_storage().data_ptr()
+    base = flat_param.storage_offset()
     stateless = entries[0].state is None  # plain SGD
     for s in entries:
-        local = s.param._local_tensor
-        if s.grad is None or (s.state is None) != stateless or local.data_ptr() != base + s.fp.offset * size:
+        local = s.param._local_tensor  # compared by storage: an empty tensor's data_ptr is 0
+        if (
+            s.grad is None
+            or (s.state is None) != stateless
+            or local.untyped_storage().data_ptr() != storage
+            or local.storage_offset() != base + s.fp.offset
+        ):
             return None
     grad = _flat_view([s.grad for s in entries], entries, numel, flat_param.dtype)
     if grad is None:
@@ -377,7 +384,10 @@ def _rehome(entries: list[_Swapped], key: Any, numel: int) -> torch.Tensor:
         local = s.locals[key]
         view = flat[s.fp.offset : s.fp.offset + local.numel()].view(local.shape)
         view.copy_(local)
-        s.state[key] = DTensor(view, s.state[key]._spec, requires_grad=False)
+        spec = s.param._spec  # shared with the parameter when it fits: cheaper checks later
+        if spec.tensor_meta is None or spec.tensor_meta.dtype != view.dtype:
+            spec = s.state[key]._spec
+        s.state[key] = make_dtensor(view, spec)
         s.locals[key] = view
     return flat
 
@@ -417,7 +427,7 @@ def _restore_one(state: dict, s: _Swapped) -> None:
             if k in s.locals:
                 if v is not s.locals[k]:  # the optimizer replaced the tensor
                     orig = s.state[k]
-                    s.state[k] = DTensor(v, orig._spec, requires_grad=False)
+                    s.state[k] = make_dtensor(v, orig._spec)
             else:
                 s.state[k] = _as_param_layout(v, s)
 
@@ -443,9 +453,7 @@ def _restore_flat(state: dict, f: _FlatSwapped) -> None:
                 continue
             if isinstance(v, torch.Tensor) and v.dim() > 0:  # new full-size state: per-parameter views
                 local = v[fp.offset : fp.offset + p._local_tensor.numel()].view(p._local_tensor.shape)
-                st[k] = DTensor.from_local(
-                    local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                )
+                st[k] = _like_param(local, p)
             elif isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and old.shape == v.shape:
                 old.copy_(v)  # the step count: every parameter keeps its own tensor
             else:
@@ -457,8 +465,15 @@ def _as_param_layout(value: Any, s: _Swapped) -> Any:
     it: with the parameter's layout when it has the shard's shape (0-dim ones stay plain:
     a step count cannot be told from a 0-dim parameter's moment)."""
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == s.alias.shape:
-        p = s.param
-        return DTensor.from_local(
-            value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        )
+        return _like_param(value, s.param)
     return value
+
+
+def _like_param(local: torch.Tensor, p: DTensor) -> DTensor:
+    """``local`` as a DTensor laid out like the parameter ``p`` (its own dtype)."""
+    spec = p._spec
+    if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
+        spec = DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )._spec
+    return make_dtensor(local, spec)

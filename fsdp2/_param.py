@@ -89,6 +89,32 @@ class FSDPParam:
         self.register(self.sharded)
 
 
+def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:
+    """``DTensor(local, spec)`` whose wrapper has storage offset 0.
+
+    In torch 2.13 a DTensor built over a view at a nonzero storage offset (our shards and
+    state are views into flat buffers) copies that offset into the wrapper, which then
+    reports a non-null ``data_ptr`` and ``torch.save`` / ``copy.deepcopy`` fail on its
+    storage ("invalid python storage"). The wrapper owns no data, so its offset is 0.
+    """
+    if local.storage_offset() == 0:
+        return DTensor(local, spec, requires_grad=requires_grad)
+    meta = spec.tensor_meta
+    out = torch.Tensor._make_wrapper_subclass(
+        DTensor,
+        meta.shape,
+        strides=meta.stride,
+        storage_offset=0,
+        dtype=local.dtype,
+        device=local.device,
+        layout=local.layout,
+        requires_grad=requires_grad,
+    )
+    out._spec = spec
+    out._local_tensor = local
+    return out
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ._param import FSDPParam
+from ._param import FSDPParam, make_dtensor
 
 
 class StateDictError(ValueError, RuntimeError):
@@ -31,14 +31,32 @@ class StateDictError(ValueError, RuntimeError):
     """
 
 
-def register_load_hooks(params: list[FSDPParam]) -> None:
-    """One load pre-hook per owner module, sharding full tensors of its parameters."""
+def register_state_dict_hooks(params: list[FSDPParam]) -> None:
+    """Per owner module: a load pre-hook sharding full tensors of its parameters, and a
+    state_dict post-hook making their values picklable."""
     by_owner: dict[int, tuple[nn.Module, list[tuple[str, FSDPParam]]]] = {}
     for fp in params:
         for module, name in fp.owners:
             by_owner.setdefault(id(module), (module, []))[1].append((name, fp))
     for module, slots in by_owner.values():
         module.register_load_state_dict_pre_hook(_ShardFullTensors(slots))
+        module.register_state_dict_post_hook(_Picklable([name for name, _ in slots]))
+
+
+class _Picklable:
+    """``state_dict()`` values are ``p.detach()``: DTensors over views into our flat
+    buffers, which torch 2.13 cannot ``torch.save`` or deep-copy (``make_dtensor``)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for name in self.names:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, DTensor) and value.storage_offset() != 0:
+                state_dict[prefix + name] = make_dtensor(
+                    value._local_tensor, value._spec, value.requires_grad
+                )
 
 
 class _ShardFullTensors:
@@ -58,7 +76,9 @@ class _ShardFullTensors:
 def validate_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
     """Raise ``StateDictError`` listing every mismatch, before anything is loaded."""
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"load_state_dict expects a mapping of names to tensors, got {type(state_dict).__name__}")
+        raise TypeError(
+            f"load_state_dict expects a mapping of names to tensors, got {type(state_dict).__name__}"
+        )
     expected = module.state_dict()
     problems: list[str] = []
     if strict:

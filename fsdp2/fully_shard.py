@@ -26,7 +26,7 @@ from ._buffers import BufferPool
 from ._group import ParamGroup, ShardState
 from ._param import FSDPParam
 from ._state import FSDPState
-from ._state_dict import register_load_hooks, validate_state_dict
+from ._state_dict import register_state_dict_hooks, validate_state_dict
 from .api import MixedPrecisionPolicy, OffloadPolicy
 
 # id(sharded parameter) -> its FSDPParam, for every parameter some fully_shard call
@@ -100,7 +100,7 @@ def fully_shard(
         fp.register_sharded()
         _remember(_MANAGED, id(fp.sharded), weakref.ref(fp))
         _remember(_REPLACED, id(original), (weakref.ref(original), fp.fqn))
-    register_load_hooks(fsdp_params)
+    register_state_dict_hooks(fsdp_params)
     if not _OPTIMIZER_HOOK:
         _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_pre_optimizer_step))
         _OPTIMIZER_HOOK.append(_optim.register_post_hook())

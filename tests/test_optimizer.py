@@ -4,7 +4,9 @@ path would not be exact, and nothing left swapped when a step raises."""
 
 from __future__ import annotations
 
+import copy
 import functools
+import io
 import warnings
 from typing import Any
 from unittest import mock
@@ -82,7 +84,22 @@ def _parity(
             got[name], want[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}"
         )
     _check_state(model, opt, ref, ref_opt)
+    assert _padding_is_zero(model)
     return {"fast": _optim.local_steps - before, "flat": _optim.flat_buckets - flat_before}
+
+
+def _padding_is_zero(model: nn.Module) -> bool:
+    """Flat steps also update the shards' padding (rows past a parameter's end on this
+    rank): it must stay zero, as the DTensor path leaves it."""
+    for m in model.modules():
+        if isinstance(m, fsdp2.FSDPModule):
+            for b in m._fsdp2_state.group.buckets:
+                covered = torch.zeros(b.sharded_flat.numel(), dtype=torch.bool)
+                for p in b.params:
+                    covered[p.offset : p.offset + b.local_view(p).numel()] = True
+                if b.sharded_flat[~covered].count_nonzero():
+                    return False
+    return True
 
 
 def _check_state(
@@ -129,8 +146,8 @@ def _worker_all(rank: int, world: int) -> dict[str, Any]:
 
 
 @functools.cache
-def _results(world: int) -> dict[str, Any]:
-    return run_ranks(_worker_all, world)[0]
+def _results(world: int) -> list[dict[str, Any]]:
+    return run_ranks(_worker_all, world)
 
 
 CASES = [(w, n) for w in (1, 2) for n in OPTIMIZERS]
@@ -141,19 +158,20 @@ def test_elementwise_optimizers_match_local_training_on_local_shards(world: int,
     """Parameters, state tensors and step counts match local training. With a 0-dim
     parameter in each block only the root's bucket steps as one flat tensor; without,
     all four buckets do."""
-    results = _results(world)
     # The first step creates the state through DTensors; Adagrad creates it at
-    # construction and plain SGD keeps none, so those take every step fast.
+    # construction and plain SGD keeps none, so those take every step fast. On every
+    # rank: at world 2 rank 1 holds no rows of the (1,)-shaped gate.
     fast = STEPS if name in ("sgd", "adagrad") else STEPS - 1
-    assert results[name] == {"fast": fast, "flat": fast}
-    assert results[name + "/no_scalars"] == {"fast": fast, "flat": 4 * fast}
+    for results in _results(world):
+        assert results[name] == {"fast": fast, "flat": fast}
+        assert results[name + "/no_scalars"] == {"fast": fast, "flat": 4 * fast}
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bucket_with_an_unused_parameter_steps_per_parameter(world: int) -> None:
     """``extra`` gets no gradient every other step: the root's bucket steps per parameter
     then, and afterwards too (its step counts differ from the embedding's)."""
-    result = _results(world)["adamw/unused"]
+    result = _results(world)[0]["adamw/unused"]
     # Steps 1..3 fast: the 3 blocks flat each time, the root never (no gradient for
     # extra at steps 1 and 3, one step fewer counted for it than for emb at step 2).
     assert result["fast"] == STEPS - 1 and result["flat"] == 3 * (STEPS - 1), result
@@ -325,3 +343,36 @@ def _worker_disabled(rank: int, world: int) -> int:
 
 def test_disabled_steps_on_dtensors() -> None:
     assert run_ranks(_worker_disabled, 2) == [0, 0]
+
+
+def _worker_save(rank: int, world: int) -> bool:
+    """torch.save / deepcopy / torch.load of both state dicts after flat steps (their
+    DTensors are views into flat buffers), then resuming matches not stopping."""
+    make = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    model, ref = _build(rank, world, scalar_gate=False)
+    opt = make(model.parameters())
+    for step in range(STEPS):
+        _train_step(model, ref, step, rank, world)
+        opt.step()
+        opt.zero_grad()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+    copy.deepcopy(opt.state_dict())
+    copy.deepcopy(model.state_dict())
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    resumed, _ = _build(rank, world, scalar_gate=False)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = make(resumed.parameters())
+    resumed_opt.load_state_dict(saved["optim"])
+    for m, o in ((model, opt), (resumed, resumed_opt)):
+        _train_step(m, ref, STEPS, rank, world)
+        o.step()
+        o.zero_grad()
+    return all(
+        torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), resumed.parameters())
+    )
+
+
+def test_state_dicts_save_and_resume_after_flat_steps() -> None:
+    assert run_ranks(_worker_save, 2) == [True, True]
