@@ -336,6 +336,7 @@ def _flat_swap(entries: list[_Swapped]) -> _FlatSwapped | None:
             if any(v is None for v in values) or any(v.dtype != values[0].dtype for v in values):
                 return None
             view = _flat_view(values, entries, numel, values[0].dtype)
+            del values  # no reference of ours may outlive a move into a flat buffer
             if view is None:
                 to_rehome.append(k)
             else:
@@ -389,6 +390,8 @@ def _rehome(entries: list[_Swapped], key: Any, numel: int) -> torch.Tensor:
             spec = s.state[key]._spec
         s.state[key] = make_dtensor(view, spec)
         s.locals[key] = view
+        if s.local_state is not None:
+            s.local_state[key] = view  # drop the last reference to the old tensor now
     return flat
 
 

@@ -8,6 +8,7 @@ import copy
 import functools
 import io
 import warnings
+import weakref
 from typing import Any
 from unittest import mock
 
@@ -376,3 +377,32 @@ def _worker_save(rank: int, world: int) -> bool:
 
 def test_state_dicts_save_and_resume_after_flat_steps() -> None:
     assert run_ranks(_worker_save, 2) == [True, True]
+
+
+def _worker_rehome(rank: int, world: int) -> list[int]:
+    model, ref = _build(rank, world, scalar_gate=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    alive: list[int] = []
+    original = _optim._rehome
+
+    def checked(entries: list, key: Any, numel: int) -> torch.Tensor:
+        old = [weakref.ref(s.locals[key]) for s in entries]
+        flat = original(entries, key, numel)
+        alive.append(sum(r() is not None for r in old))
+        return flat
+
+    with mock.patch.object(_optim, "_rehome", checked):
+        for step in range(2):
+            _train_step(model, ref, step, rank, world)
+            opt.step()
+            opt.zero_grad()
+    return alive
+
+
+def test_moving_state_into_flat_buffers_frees_the_old_tensors_at_once() -> None:
+    """Moving a state entry of one bucket frees its old per-parameter tensors before the
+    next entry moves: the transient is one bucket's entry, not the optimizer's state.
+    (torch itself may still hold one old tensor, seen right after the DTensor-path
+    step; while fsdp2 held them, every one of them stayed.)"""
+    alive = run_ranks(_worker_rehome, 1)[0]
+    assert len(alive) == 8 and sum(alive) <= 1, alive  # 4 buckets x (exp_avg, exp_avg_sq)
