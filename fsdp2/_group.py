@@ -14,6 +14,10 @@ Lifecycle of a group in one training step:
                          the reduce-scatter.
   Phase 5  finalize      (root's end-of-backward callback) flush what never reached
                          Phase 4, wait for reduce-scatters, write ``.grad``.
+
+On one rank without a dtype change (``direct``) there is nothing to gather or reduce:
+Phase 1 registers leaf aliases of the shards, autograd accumulates their gradients, no
+Phase 4 runs, and Phase 5 moves the gradients into ``.grad``.
 """
 
 from __future__ import annotations
