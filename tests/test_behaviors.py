@@ -42,8 +42,9 @@ def _eval_worker(rank: int, world: int) -> dict:
     return {"match": torch.allclose(got, want, rtol=1e-12, atol=1e-12), "clean": clean, "sharded": registered_sharded}
 
 
-def test_eval_under_no_grad_leaves_no_state() -> None:
-    for out in run_ranks(_eval_worker, 2):
+@pytest.mark.parametrize("world", [1, 2])
+def test_eval_under_no_grad_leaves_no_state(world: int) -> None:
+    for out in run_ranks(_eval_worker, world):
         assert all(out.values()), out
 
 
@@ -116,8 +117,9 @@ def _forward_method_worker(rank: int, world: int) -> dict:
     return {"match": torch.allclose(got, ref.generate(x)), "sharded_after": isinstance(model.proj.weight, torch.distributed.tensor.DTensor)}
 
 
-def test_register_fsdp_forward_method() -> None:
-    for out in run_ranks(_forward_method_worker, 2):
+@pytest.mark.parametrize("world", [1, 2])
+def test_register_fsdp_forward_method(world: int) -> None:
+    for out in run_ranks(_forward_method_worker, world):
         assert all(out.values()), out
 
 
