@@ -385,10 +385,7 @@ def _rehome(entries: list[_Swapped], key: Any, numel: int) -> torch.Tensor:
         local = s.locals[key]
         view = flat[s.fp.offset : s.fp.offset + local.numel()].view(local.shape)
         view.copy_(local)
-        spec = s.param._spec  # shared with the parameter when it fits: cheaper checks later
-        if spec.tensor_meta is None or spec.tensor_meta.dtype != view.dtype:
-            spec = s.state[key]._spec
-        s.state[key] = make_dtensor(view, spec)
+        s.state[key] = _like_param(view, s.param)  # shares the parameter's spec: cheaper checks later
         s.locals[key] = view
         if s.local_state is not None:
             s.local_state[key] = view  # drop the last reference to the old tensor now
@@ -473,7 +470,8 @@ def _as_param_layout(value: Any, s: _Swapped) -> Any:
 
 
 def _like_param(local: torch.Tensor, p: DTensor) -> DTensor:
-    """``local`` as a DTensor laid out like the parameter ``p`` (its own dtype)."""
+    """``local`` as a DTensor laid out like the parameter ``p`` (its own dtype), sharing
+    ``p``'s spec when the dtypes agree."""
     spec = p._spec
     if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
         spec = DTensor.from_local(
