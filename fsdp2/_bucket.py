@@ -17,10 +17,25 @@ Layouts (``W`` ranks, ``S`` = sum of the padded shard sizes):
   of replicated scalars. Summed over ranks, row ``r`` is rank ``r``'s result; a flag
   above zero means some rank produced a gradient, so unused parameters keep
   ``grad=None`` exactly as in local training, and every rank reduces the same bytes.
+
+In place (``in_place``: gloo, floating compute dtype, at least ``IN_PLACE_MIN_BYTES``)
+there is no all-gather output and, usually, no reduce input:
+
+* the all-gather is an all-reduce of the unsharded flat itself, where each rank wrote
+  its own rows and -0.0 everywhere else (no pooled buffer, no copy-out, and none of
+  the full-size temporary that gloo's own all-gather allocates and copies from);
+* once a backward no longer reads the parameters, their gradients are written where
+  the parameters were (``W*S + R``), followed by the "used" flags, and summed by one
+  all-reduce of that storage; as soon as it completes (on gloo's thread) this rank's
+  rows are copied out and the storage is freed. Buckets with frozen parameters, a
+  ``reduce_dtype`` other than the compute dtype, or gradients accumulated without
+  synchronization keep using a pooled reduce input.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from typing import NamedTuple
 
@@ -30,8 +45,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from ._buffers import BufferPool
-from ._collectives import Pending, all_gather_flat, reduce_scatter_flat, wait_pending
+from ._collectives import (
+    Pending,
+    all_gather_flat,
+    all_gather_in_place,
+    all_reduce_in_place,
+    reduce_scatter_flat,
+    then,
+    wait_future,
+    wait_pending,
+)
 from ._param import FSDPParam
+
+# Gathers of at least this many bytes run in place on gloo (``FlatBucket.in_place``);
+# smaller ones are latency-bound, and gloo's all-gather is quicker there. Read when a
+# bucket is built; the environment variable is for tuning and tests.
+IN_PLACE_MIN_BYTES = int(os.environ.get("FSDP2_IN_PLACE_MIN_BYTES", str(1 << 20)))
 
 
 class CommContext(NamedTuple):
@@ -98,6 +127,12 @@ class FlatBucket:
         self._layout: ReduceLayout | None = None
         self._layout_key: tuple[bool, ...] = ()
         self._flat_alias: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The reduce of this backward sums the gradients inside the unsharded storage
+        # (``lend_storage_for_reduce``): it stays allocated until ``finish_reduce``.
+        self._reduce_in_storage = False
+        # Its staged gradients, taken out as soon as the reduce completes (``then``).
+        self._staged: torch.futures.Future | None = None
+        self._divide_factor = 1.0
         self._allocate_sharded(originals, device)
 
     # ------------------------------------------------------------------ storage
@@ -120,11 +155,21 @@ class FlatBucket:
         # On one rank without a dtype change both layouts coincide: the unsharded
         # parameters are the shards themselves, and unshard/reshard do nothing.
         self.gather_is_identity = world == 1 and self.compute_dtype == self.dtype
+        # On gloo, large buckets gather and reduce in place, in the unsharded storage:
+        # no pooled buffer, no copy-out, no temporary inside gloo's all-gather.
+        self.in_place = (
+            not self.gather_is_identity
+            and self.comm.reduce_by_all_reduce
+            and self.compute_dtype.is_floating_point
+            and world * self.shard_numel * self.compute_dtype.itemsize >= IN_PLACE_MIN_BYTES
+        )
+        # Room after the parameters for the reduce's "used" flags, one per parameter.
+        extra = len(self.params) if self.in_place else 0
         if self.gather_is_identity:
             flat = self.sharded_flat
         else:
-            flat = torch.empty(numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
-        self._unsharded_numel = numel
+            flat = torch.empty(numel + extra, dtype=self.compute_dtype, device=self.sharded_flat.device)
+        self._unsharded_numel = numel + extra
         self.unsharded_flat = flat
         # Writes go through ``.data``, which has its own version counter: re-gathering
         # in backward must not look like an in-place change to the views autograd saved.
@@ -136,6 +181,10 @@ class FlatBucket:
             for p in self.sharded_params
         ]
         self.unsharded_views = [self._unsharded_view(flat, p) for p in self.params]
+        # In place: where this rank's shard goes in the gather, and where each gradient
+        # goes for the reduce (the parameter's own place; written through ``.data``).
+        self._own_rows = [v[self.comm.rank] for v in self._copy_out] if self.in_place else []
+        self._grad_slots = [self._unsharded_view(self._unsharded_write, p) for p in self.params] if self.in_place else []
         # One rank, no dtype change on the way in or out: the module computes with leaf
         # aliases of the shards and autograd accumulates their ``.grad`` itself, as in
         # local training; ``commit_direct`` hands them to the sharded parameters.
@@ -166,7 +215,7 @@ class FlatBucket:
         return self.sharded_flat[p.offset : p.offset + p.local_rows * p.row_numel].view(p.local_shape)
 
     def _free_unsharded(self) -> None:
-        if not self.gather_is_identity:
+        if not self.gather_is_identity and not self._reduce_in_storage:
             self.unsharded_flat.untyped_storage().resize_(0)
 
     def _alloc_unsharded(self) -> None:
@@ -229,6 +278,9 @@ class FlatBucket:
             source, group = self._partial, partial_group
         else:
             source, group = self.sharded_flat[: self.shard_numel], comm.group
+            if self.in_place:
+                self._start_gather_in_place(source)
+                return
             if self.compute_dtype != self.dtype:
                 with record_function("fsdp2::cast_for_all_gather"):
                     source = source.to(self.compute_dtype)
@@ -239,29 +291,47 @@ class FlatBucket:
             source, output, group, async_op=True, label=f"all-gather of {self.name}"
         )
 
+    def _start_gather_in_place(self, shard: torch.Tensor) -> None:
+        """Write this rank's rows into the unsharded storage, -0.0 everywhere else, and
+        sum over ranks: the storage then holds every rank's rows, parameter-major."""
+        if self._reduce_in_storage:
+            raise AssertionError(f"fsdp2 internal error: {self.name} gathers into storage its reduce still uses")
+        self._alloc_unsharded()
+        region = self._unsharded_write[: self.comm.world * self.shard_numel]
+        with record_function("fsdp2::copy_in"):
+            region.fill_(-0.0)
+            if self.compute_dtype != self.dtype:
+                shard = shard.to(self.compute_dtype)
+            torch.split_with_sizes_copy(shard, [p.shard_numel for p in self.sharded_params], out=self._own_rows)
+        self._pending_gather = all_gather_in_place(
+            region, self.comm.group, async_op=True, label=f"all-gather of {self.name}"
+        )
+
     def finish_all_gather(self) -> None:
-        """Phase 2 of unshard: wait, then copy the gathered shards out parameter-major."""
+        """Phase 2 of unshard: wait, then copy the gathered shards out parameter-major
+        (unless they were gathered in place)."""
         if self.gather_is_identity:
             return
         self._alloc_unsharded()
         if self.shard_numel > 0:
             assert self._pending_gather is not None, "fsdp2 internal error: no all-gather issued"
             output = wait_pending(self._pending_gather)
-            with record_function("fsdp2::copy_out"):
-                torch.split_with_sizes_copy(
-                    output.view(self.comm.world, self.shard_numel),
-                    [p.shard_numel for p in self.sharded_params],
-                    dim=1,
-                    out=self._copy_out,
-                )
-            self.comm.pool.release(self._gather_buf)  # type: ignore[arg-type]
-            self._gather_buf = None
             self._pending_gather = None
             self._gather_input = None
+            if self._gather_buf is not None:
+                with record_function("fsdp2::copy_out"):
+                    torch.split_with_sizes_copy(
+                        output.view(self.comm.world, self.shard_numel),
+                        [p.shard_numel for p in self.sharded_params],
+                        dim=1,
+                        out=self._copy_out,
+                    )
+                self.comm.pool.release(self._gather_buf)
+                self._gather_buf = None
         self._partial = None
         if self.scalars:
-            tail = self._unsharded_write[self.comm.world * self.shard_numel :]
-            tail.copy_(self.sharded_flat[self.shard_numel :])
+            start = self.comm.world * self.shard_numel
+            self._unsharded_write[start : start + len(self.scalars)].copy_(self.sharded_flat[self.shard_numel :])
 
     def reshard(self) -> None:
         if self._pending_gather is not None:  # never free memory a collective still writes
@@ -339,14 +409,39 @@ class FlatBucket:
         both from the same buffer."""
         return self.comm.world * max(self.shard_numel, self.reduce_layout().numel)
 
+    def lend_storage_for_reduce(self) -> None:
+        """Called once nothing reads the unsharded parameters any more, before the last
+        gradients of this backward are deposited: when the bucket gathers in place, every
+        parameter is reduced and nothing is accumulated yet, the gradients go into the
+        parameters' own places in the unsharded storage and are summed there, instead of
+        into a pooled reduce buffer (``finish_reduce`` frees the storage)."""
+        layout = self.reduce_layout()
+        if (
+            self.in_place
+            and self.reduce_dtype == self.compute_dtype
+            and len(layout.params) + len(layout.scalars) == len(self.params)
+            and self._reduce_input is None
+            and self._pending_reduce is None
+            and not any(self._deposited)
+        ):
+            self._alloc_unsharded()  # a group freed early (the root) gets it back here
+            self._reduce_in_storage = True
+
+    @property
+    def reduces_in_storage(self) -> bool:
+        return self._reduce_in_storage
+
     def deposit(self, p: FSDPParam, grad: torch.Tensor) -> None:
         """Add (or copy, if first) ``p``'s unsharded gradient into the reduce input."""
         layout = self.reduce_layout()
         if p.rs_index < 0:
             raise AssertionError(f"fsdp2 internal error: gradient for frozen parameter {p.fqn}")
-        buf = self._reduce_input2d()
         first = not self._deposited[p.rs_index]
         self._deposited[p.rs_index] = True
+        if self._reduce_in_storage:
+            _write(self._grad_slots[p.bucket_index], grad, first)
+            return
+        buf = self._reduce_input2d()
         if p.is_replicated:
             col = layout.grad_numel + len(layout.params) + len(layout.scalars) + layout.scalars.index(p)
             _write(buf[:, col], grad, first)
@@ -365,9 +460,13 @@ class FlatBucket:
     def has_deposits(self) -> bool:
         return any(self._deposited)
 
-    def start_reduce(self) -> None:
+    def start_reduce(self, divide_factor: float) -> None:
         """Issue the reduce-scatter of everything deposited; undeposited gradients count as
-        zero and carry a zero "used" flag."""
+        zero and carry a zero "used" flag. The gradients are divided by ``divide_factor``."""
+        self._divide_factor = divide_factor
+        if self._reduce_in_storage:
+            self._start_reduce_in_storage()
+            return
         layout = self.reduce_layout()
         buf = self._reduce_input2d()
         with record_function("fsdp2::reduce_prepare"):
@@ -393,13 +492,46 @@ class FlatBucket:
             label=f"reduce-scatter of {self.name}",
         )
 
+    def _start_reduce_in_storage(self) -> None:
+        """The storage holds each gradient where its parameter was (every rank's rows),
+        then the replicated scalars' gradients, then one flag per parameter: one in-place
+        all-reduce sums it all, and each rank reads its own rows."""
+        world_numel = self.comm.world * self.shard_numel
+        with record_function("fsdp2::reduce_prepare"):
+            for p, rows in zip(self.sharded_params, self._copy_out):
+                if not self._deposited[p.rs_index]:
+                    rows.zero_()
+            for p in self.scalars:
+                if not self._deposited[p.rs_index]:
+                    self._grad_slots[p.bucket_index].zero_()
+            flags_at = world_numel + len(self.scalars)
+            flags = self._unsharded_write[flags_at : flags_at + len(self._deposited)]
+            flags.copy_(torch.tensor(self._deposited, dtype=flags.dtype))
+        self._pending_reduce = all_reduce_in_place(
+            self._unsharded_write[: flags_at + len(self._deposited)],
+            self.comm.group,
+            async_op=True,
+            label=f"reduce-scatter of {self.name}",
+        )
+        # Take this rank's rows out and free the storage the moment the sum is done,
+        # not when the next group's gradients need room: by then they are all resident.
+        self._staged = then(self._pending_reduce, functools.partial(self._stage_from_storage, self.reduce_layout()))
+
     def has_pending_reduce(self) -> bool:
         return self._pending_reduce is not None
 
-    def finish_reduce(self, divide_factor: float) -> None:
+    def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and stage the sharded gradients for ``commit_grads``."""
         assert self._pending_reduce is not None, "fsdp2 internal error: no reduce-scatter issued"
         layout = self.reduce_layout()
+        divide_factor = self._divide_factor
+        if self._staged is not None:  # reduced in storage
+            staged = wait_future(self._staged, self._pending_reduce.label)
+            self._staged = None
+            self._pending_reduce = None
+            self._deposited = [False] * len(self._deposited)
+            self._ready_grads.append(staged)  # type: ignore[arg-type]
+            return
         result = wait_pending(self._pending_reduce)
         with record_function("fsdp2::grad_copy"):
             grads = result[: layout.grad_numel].to(self.dtype, copy=True)
@@ -419,6 +551,27 @@ class FlatBucket:
             self._pending_reduce = None
             self._deposited = [False] * len(self._deposited)
             self._ready_grads.append((layout, grads, used, scalar_vals))
+
+    def _stage_from_storage(self, layout: ReduceLayout) -> tuple:
+        """The reduce in storage completed: copy out this rank's rows of every parameter
+        (laid out like its shards), the flags and the scalars, then free the storage.
+        Runs on gloo's thread; nothing else touches this bucket's storage meanwhile
+        (an unshard first waits for it: ``ParamGroup.unshard``)."""
+        world_numel = self.comm.world * self.shard_numel
+        flags_at = world_numel + len(self.scalars)
+        with record_function("fsdp2::grad_copy"):
+            grads = torch.cat(self._own_rows) if self._own_rows else self._unsharded_write[:0].clone()
+            grads = grads.to(self.dtype)
+            for start, end in layout.padding:
+                grads[start:end].zero_()
+            used = self._unsharded_write[flags_at : flags_at + len(layout.params) + len(layout.scalars)].clone()
+            scalar_vals = self._unsharded_write[world_numel:flags_at].to(self.dtype, copy=True)
+            if self._divide_factor != 1:
+                grads.div_(self._divide_factor)
+                scalar_vals.div_(self._divide_factor)
+        self.unsharded_flat.untyped_storage().resize_(0)
+        self._reduce_in_storage = False  # only now: an unshard may take the storage again
+        return (layout, grads, used, scalar_vals)
 
     def commit_grads(self) -> None:
         """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
@@ -468,9 +621,16 @@ class FlatBucket:
             leaf.grad = None
         if self._pending_reduce is not None:
             try:
-                wait_pending(self._pending_reduce)
+                if self._staged is not None:
+                    wait_future(self._staged, self._pending_reduce.label)
+                else:
+                    wait_pending(self._pending_reduce)
             finally:
                 self._pending_reduce = None
+                self._staged = None
+        if self._reduce_in_storage:
+            self._reduce_in_storage = False
+            self._free_unsharded()
         if self._reduce_input is not None:
             self.comm.pool.release(self._reduce_input)
             self._reduce_input = None
@@ -479,7 +639,8 @@ class FlatBucket:
             try:
                 wait_pending(self._pending_gather)
             finally:
-                self.comm.pool.release(self._gather_buf)  # type: ignore[arg-type]
+                if self._gather_buf is not None:
+                    self.comm.pool.release(self._gather_buf)
                 self._gather_buf = None
                 self._pending_gather = None
                 self._gather_input = None

@@ -12,7 +12,8 @@ or silently mixing up data (e.g. when a data-dependent branch runs different gro
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,16 +38,41 @@ class Pending(NamedTuple):
 def wait_pending(pending: Pending) -> torch.Tensor:
     """Block until the collective finished; then its result may be read."""
     if pending.work is not None:
-        with record_function("fsdp2::wait"):
-            try:
-                pending.work.wait()
-            except RuntimeError as e:
-                raise RuntimeError(
-                    f"fsdp2: {pending.label} did not complete: {e}. If it timed out, the ranks "
-                    "probably ran different groups (e.g. a data-dependent branch); rerun with "
-                    "FSDP2_DEBUG_COLLECTIVES=1 to see where they diverge"
-                ) from e
+        _wait(pending.work.wait, pending.label)
     return pending.result
+
+
+def then(pending: Pending, fn: Callable[[], Any]) -> torch.futures.Future:
+    """Run ``fn()`` once the collective completed: on the backend's own thread when it
+    completes there (gloo on CPU), so memory ``fn`` frees is freed while the caller
+    computes. The future holds ``fn``'s result."""
+    if pending.work is None:
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(fn())
+        return done
+
+    def run(done: torch.futures.Future) -> Any:
+        done.value()  # re-raises if the collective failed; fn then does not run
+        return fn()
+
+    return pending.work.get_future().then(run)
+
+
+def wait_future(future: torch.futures.Future, label: str) -> Any:
+    """``wait_pending`` for a future from ``then``: its value, or its error explained."""
+    return _wait(future.wait, label)
+
+
+def _wait(wait: Callable[[], Any], label: str) -> Any:
+    with record_function("fsdp2::wait"):
+        try:
+            return wait()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"fsdp2: {label} did not complete: {e}. If it timed out, the ranks "
+                "probably ran different groups (e.g. a data-dependent branch); rerun with "
+                "FSDP2_DEBUG_COLLECTIVES=1 to see where they diverge"
+            ) from e
 
 
 def check_same_collective(group: dist.ProcessGroup, label: str, numel: int) -> None:
@@ -74,6 +100,28 @@ def all_gather_flat(
             check_same_collective(group, label, output.numel())
         work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
     return Pending(work if async_op else None, output, label)
+
+
+def all_gather_in_place(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool, label: str) -> Pending:
+    """All-gather as an in-place sum: every rank wrote its own rows of ``flat`` and
+    filled the rest with -0.0, the one value that leaves any float unchanged when
+    added to it (``x + -0.0 == x`` bit for bit, +0.0 included; a NaN stays a NaN), so
+    the sum is exactly the gathered tensor. Used on gloo, whose all-gather stages the whole output
+    in a temporary and copies it; this writes straight into the caller's layout."""
+    with record_function("fsdp2::all_gather"):
+        if debug_enabled():
+            check_same_collective(group, label, flat.numel())
+        work = dist.all_reduce(flat, group=group, async_op=async_op)
+    return Pending(work if async_op else None, flat, label)
+
+
+def all_reduce_in_place(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool, label: str) -> Pending:
+    """Sum ``flat`` over ranks in place (gradients laid out however the caller likes)."""
+    with record_function("fsdp2::reduce_scatter"):
+        if debug_enabled():
+            check_same_collective(group, label, flat.numel())
+        work = dist.all_reduce(flat, group=group, async_op=async_op)
+    return Pending(work if async_op else None, flat, label)
 
 
 def reduce_scatter_flat(

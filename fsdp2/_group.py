@@ -130,6 +130,8 @@ class ParamGroup:
         if self.shard_state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return
         self._check_materialized()
+        if self.ctx is not None and any(b.reduces_in_storage for b in self.buckets):
+            self.ctx.finish_reduces_of(self)  # its storage still holds the gradients
         partial = self.partial_group if self.shard_state is ShardState.PARTIAL else None
         for b in self.buckets:
             b.start_all_gather(partial)
@@ -304,7 +306,12 @@ class ParamGroup:
         if self.ctx is not None:
             self.ctx.on_backward_start()
         if counted and self.pending_nodes <= 1 and self.reshard_after_backward:
-            self.reshard()  # nothing reads the parameters now: free them before the copy-in
+            # Nothing reads the parameters now: free them before the copy-in, or sum the
+            # gradients in their place.
+            if self.requires_gradient_sync:
+                for b in self.buckets:
+                    b.lend_storage_for_reduce()
+            self.reshard()
         if self.ctx is not None:
             self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
         with torch.no_grad():
@@ -332,7 +339,7 @@ class ParamGroup:
             return
         for b in self.buckets:
             if b.has_reduced_params():
-                b.start_reduce()
+                b.start_reduce(self.divide_factor())
                 assert self.ctx is not None
                 self.ctx.add_pending_reduce(self, b)
 

@@ -168,14 +168,18 @@ class RootContext:
         """Before ``group`` deposits gradients: finish its own reduce-scatter still in flight
         (from an earlier backward with ``set_is_last_backward(False)``: it reads the buffer
         the deposit writes), and those beyond the allowed number in flight."""
-        while any(g is group for g, _ in self.pending_reduces):
-            self._finish_oldest_reduce()
+        self.finish_reduces_of(group)
         while self.root.is_last_backward and len(self.pending_reduces) >= MAX_PENDING_REDUCES:
             self._finish_oldest_reduce()
 
+    def finish_reduces_of(self, group: ParamGroup) -> None:
+        """Wait for ``group``'s reduce-scatters in flight (and the older ones before them)."""
+        while any(g is group for g, _ in self.pending_reduces):
+            self._finish_oldest_reduce()
+
     def _finish_oldest_reduce(self) -> None:
-        g, b = self.pending_reduces.popleft()
-        b.finish_reduce(g.divide_factor())
+        _, b = self.pending_reduces.popleft()
+        b.finish_reduce()
 
     def finalize_backward(self) -> None:
         """Phase 5: runs once at the end of each backward over the root's graph."""

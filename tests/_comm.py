@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,8 @@ class CommCounter:
     """Wraps the ``torch.distributed`` collectives both fsdp2 and torch's fully_shard call.
 
     Only outermost calls count (a deprecated alias calling its replacement is one call).
-    Bytes are the logical payload: the gathered output, the reduced input.
+    Bytes are the logical payload: the gathered output, the reduced input. An
+    ``all_reduce`` issued by fsdp2's ``all_gather_in_place`` (gloo) counts as an all-gather.
     """
 
     def __init__(self) -> None:
@@ -32,7 +34,8 @@ class CommCounter:
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:
-                kind = "all_gather" if "gather" in name else "reduce"
+                caller = sys._getframe(1).f_code.co_name
+                kind = "all_gather" if "gather" in name or caller == "all_gather_in_place" else "reduce"
                 bound = list(signature.bind(*args, **kwargs).arguments.values())
                 tensor = bound[0 if "gather" in name or name == "all_reduce" else 1]
                 nbytes = tensor.numel() * tensor.element_size()

@@ -53,8 +53,20 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def impl(name: str) -> Any:
-    """The module that provides ``fully_shard``: ours or torch's (to keep tests honest)."""
+    """The module that provides ``fully_shard``: ours or torch's (to keep tests honest).
+    ``fsdp2-in-place``: ours, with every bucket (however small) gathered and reduced in
+    place, as large buckets are on gloo."""
+    if name == "fsdp2-in-place":
+        force_in_place()
+        name = "fsdp2"
     return importlib.import_module("fsdp2" if name == "fsdp2" else "torch.distributed.fsdp")
+
+
+def force_in_place() -> None:
+    """In this process, gather and reduce every bucket built from now on in place."""
+    import fsdp2._bucket
+
+    fsdp2._bucket.IN_PLACE_MIN_BYTES = 0
 
 
 def batch(step: int, global_batch: int, seq: int = 5, vocab: int = 11) -> tuple[torch.Tensor, torch.Tensor]:

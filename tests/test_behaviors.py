@@ -276,8 +276,10 @@ def _last_backward_worker(rank: int, world: int) -> float:
     return max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_is_last_backward_false_over_micro_batches(world: int) -> None:
+@pytest.mark.parametrize("world,in_place", [(1, False), (2, False), (2, True)])
+def test_is_last_backward_false_over_micro_batches(world: int, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if in_place:  # reduces in flight hold the parameters' storage: the next forward waits
+        monkeypatch.setenv("FSDP2_IN_PLACE_MIN_BYTES", "0")
     assert max(run_ranks(_last_backward_worker, world)) < 1e-12
 
 

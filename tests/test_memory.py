@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -75,7 +76,10 @@ def _retain_graph_worker(rank: int, world: int) -> bool:
     return _grads_match(model, ref, scale=2.0)
 
 
-def test_retained_graph_keeps_reading_the_root_parameters() -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_retained_graph_keeps_reading_the_root_parameters(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if in_place:
+        monkeypatch.setenv("FSDP2_IN_PLACE_MIN_BYTES", "0")
     assert all(run_ranks(_retain_graph_worker, 2))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -90,6 +91,14 @@ def test_recovery_after_exceptions() -> None:
         for explicit in (True, False):
             for out in run_ranks(_recovery_worker, 2, where, explicit):
                 assert all(out.values()), (where, explicit, out)
+
+
+def test_recovery_after_backward_failure_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last module's gradients are being summed in its parameters' storage when the
+    middle one raises: the reduce is waited for and the storage freed."""
+    monkeypatch.setenv("FSDP2_IN_PLACE_MIN_BYTES", "0")
+    for out in run_ranks(_recovery_worker, 2, "backward", False):
+        assert all(out.values()), out
 
 
 def test_recovery_after_exceptions_on_one_rank() -> None:

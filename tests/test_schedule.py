@@ -3,6 +3,7 @@ prefetching really issues all-gathers ahead of the compute that needs them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -26,9 +27,14 @@ def _group(module: nn.Module):  # noqa: ANN202
 
 
 def _padded_bytes(group, world: int) -> tuple[int, int]:  # noqa: ANN001
-    """(all-gather output bytes, reduce input bytes) of one group, from its layout."""
-    gather = sum(world * b.shard_numel * torch.finfo(b.compute_dtype).bits // 8 for b in group.buckets)
-    reduce = sum(world * b.reduce_layout().numel * torch.finfo(b.reduce_dtype).bits // 8 for b in group.buckets)
+    """(all-gather output bytes, reduce input bytes) of one group, from its layout.
+    Reduced in place (gloo, large buckets), the flags are there once, not once per rank."""
+    gather = sum(world * b.shard_numel * b.compute_dtype.itemsize for b in group.buckets)
+    reduce = sum(
+        (world * b.shard_numel + len(b.params) + len(b.scalars) if b.in_place else world * b.reduce_layout().numel)
+        * b.reduce_dtype.itemsize
+        for b in group.buckets
+    )
     return gather, reduce
 
 
@@ -41,12 +47,17 @@ def _count_worker(rank: int, world: int, reshard: bool) -> dict:
         loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
     groups = [_group(b) for b in model.blocks] + [_group(model)]
     sizes = [_padded_bytes(g, world) for g in groups]
-    return {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "sizes": sizes}
+    in_place = [b.in_place for g in groups for b in g.buckets]
+    return {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "sizes": sizes, "in_place": in_place}
 
 
-def test_one_all_gather_per_unshard_one_reduce_per_group() -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_one_all_gather_per_unshard_one_reduce_per_group(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if in_place:  # gathers are all-reduces then; the counter still sees one all-gather each
+        monkeypatch.setenv("FSDP2_IN_PLACE_MIN_BYTES", "0")
     for reshard in (True, False):
         for out in run_ranks(_count_worker, 2, reshard):
+            assert out["in_place"] == [in_place] * len(out["in_place"]), out
             block_gather = sum(g for g, _ in out["sizes"][:N_BLOCKS])
             root_gather = out["sizes"][-1][0]
             reduce_bytes = sum(r for _, r in out["sizes"])
@@ -213,6 +224,8 @@ def _profiler_worker(rank: int, world: int) -> list[str]:
 
 def test_profiler_labels_tell_the_story() -> None:
     names = run_ranks(_profiler_worker, 2)[0]
-    for label in ("fsdp2::all_gather", "fsdp2::copy_out", "fsdp2::reduce_scatter", "fsdp2::reduce_prepare",
+    for label in ("fsdp2::all_gather", "fsdp2::reduce_scatter", "fsdp2::reduce_prepare",
                   "fsdp2::grad_copy", "fsdp2::wait"):
         assert label in names, names
+    # Gathered into a pooled buffer and copied out, or (large buckets on gloo) in place.
+    assert "fsdp2::copy_out" in names or "fsdp2::copy_in" in names, names

@@ -109,7 +109,7 @@ def _worker(rank: int, world: int, lib_name: str, names: list[str]) -> dict[str,
     out: dict[str, Any] = {}
     for name in names:
         try:
-            out[name] = _run_config(CONFIGS[name], lib, lib_name == "fsdp2", rank, world)
+            out[name] = _run_config(CONFIGS[name], lib, lib_name.startswith("fsdp2"), rank, world)
         except AssertionError as e:
             out[name] = f"assertion failed: {e}"
     return out
@@ -127,6 +127,18 @@ CASES = [(w, n) for w in (1, 2, 3, 4) for n, c in CONFIGS.items() if c.get("min_
 @pytest.mark.parametrize("world,name", CASES, ids=[f"{w}-{n}" for w, n in CASES])
 def test_parity(world: int, name: str) -> None:
     result = _results(world, "fsdp2")[name]
+    assert isinstance(result, dict), result
+    assert result["loss"] <= 1e-10, result
+
+
+IN_PLACE_CASES = [(w, n) for w in (2, 4) for n, c in CONFIGS.items() if c.get("min_world", 1) <= w]
+
+
+@pytest.mark.parametrize("world,name", IN_PLACE_CASES, ids=[f"{w}-{n}" for w, n in IN_PLACE_CASES])
+def test_parity_gathering_and_reducing_in_place(world: int, name: str) -> None:
+    """The gloo path of large buckets (gather as a sum over -0.0, gradients summed in the
+    parameters' storage), forced on for every bucket of the small model."""
+    result = _results(world, "fsdp2-in-place")[name]
     assert isinstance(result, dict), result
     assert result["loss"] <= 1e-10, result
 
