@@ -50,6 +50,8 @@ from ._collectives import (
     all_gather_flat,
     all_gather_in_place,
     all_reduce_in_place,
+    debug_enabled,
+    issue_after,
     reduce_scatter_flat,
     then,
     wait_future,
@@ -118,6 +120,7 @@ class FlatBucket:
         self._pending_gather: Pending | None = None
         self._gather_buf: torch.Tensor | None = None  # pooled, owned until copied out
         self._gather_input: torch.Tensor | None = None  # kept alive until the gather is waited
+        self._gather_issue: torch.futures.Future | None = None  # a deferred in-place gather
         self._partial: torch.Tensor | None = None  # post-forward partial reshard (int)
         self._pending_reduce: Pending | None = None
         self._reduce_input: torch.Tensor | None = None  # pooled, owned until reduced
@@ -184,7 +187,9 @@ class FlatBucket:
         # In place: where this rank's shard goes in the gather, and where each gradient
         # goes for the reduce (the parameter's own place; written through ``.data``).
         self._own_rows = [v[self.comm.rank] for v in self._copy_out] if self.in_place else []
-        self._grad_slots = [self._unsharded_view(self._unsharded_write, p) for p in self.params] if self.in_place else []
+        self._grad_slots = (
+            [self._unsharded_view(self._unsharded_write, p) for p in self.params] if self.in_place else []
+        )
         # One rank, no dtype change on the way in or out: the module computes with leaf
         # aliases of the shards and autograd accumulates their ``.grad`` itself, as in
         # local training; ``commit_direct`` hands them to the sharded parameters.
@@ -269,8 +274,12 @@ class FlatBucket:
         self._allocate_unsharded()
 
     # --------------------------------------------------------------- all-gather
-    def start_all_gather(self, partial_group: dist.ProcessGroup | None) -> None:
-        """Phase 1 of unshard: issue the all-gather (from the partial shard if kept)."""
+    def start_all_gather(
+        self, partial_group: dist.ProcessGroup | None, after: torch.futures.Future | None = None
+    ) -> None:
+        """Phase 1 of unshard: issue the all-gather (from the partial shard if kept). In
+        place, with ``after`` (a reduce in storage still in flight), it is issued only once
+        that reduce completed and freed its storage, so the two never hold memory at once."""
         if self.shard_numel == 0 or self.gather_is_identity:
             return
         comm = self.comm
@@ -279,7 +288,11 @@ class FlatBucket:
         else:
             source, group = self.sharded_flat[: self.shard_numel], comm.group
             if self.in_place:
-                self._start_gather_in_place(source)
+                if after is not None and not after.done() and not debug_enabled():
+                    issue = functools.partial(self._start_gather_in_place, source)
+                    self._gather_issue = issue_after(after, issue)
+                else:
+                    self._start_gather_in_place(source)
                 return
             if self.compute_dtype != self.dtype:
                 with record_function("fsdp2::cast_for_all_gather"):
@@ -295,14 +308,15 @@ class FlatBucket:
         """Write this rank's rows into the unsharded storage, -0.0 everywhere else, and
         sum over ranks: the storage then holds every rank's rows, parameter-major."""
         if self._reduce_in_storage:
-            raise AssertionError(f"fsdp2 internal error: {self.name} gathers into storage its reduce still uses")
+            raise AssertionError(f"fsdp2 internal error: {self.name} gathers into storage a reduce uses")
         self._alloc_unsharded()
         region = self._unsharded_write[: self.comm.world * self.shard_numel]
         with record_function("fsdp2::copy_in"):
             region.fill_(-0.0)
             if self.compute_dtype != self.dtype:
                 shard = shard.to(self.compute_dtype)
-            torch.split_with_sizes_copy(shard, [p.shard_numel for p in self.sharded_params], out=self._own_rows)
+            sizes = [p.shard_numel for p in self.sharded_params]
+            torch.split_with_sizes_copy(shard, sizes, out=self._own_rows)
         self._pending_gather = all_gather_in_place(
             region, self.comm.group, async_op=True, label=f"all-gather of {self.name}"
         )
@@ -312,6 +326,9 @@ class FlatBucket:
         (unless they were gathered in place)."""
         if self.gather_is_identity:
             return
+        if self._gather_issue is not None:
+            wait_future(self._gather_issue, f"all-gather of {self.name}")
+            self._gather_issue = None
         self._alloc_unsharded()
         if self.shard_numel > 0:
             assert self._pending_gather is not None, "fsdp2 internal error: no all-gather issued"
@@ -331,10 +348,12 @@ class FlatBucket:
         self._partial = None
         if self.scalars:
             start = self.comm.world * self.shard_numel
-            self._unsharded_write[start : start + len(self.scalars)].copy_(self.sharded_flat[self.shard_numel :])
+            tail = self._unsharded_write[start : start + len(self.scalars)]
+            tail.copy_(self.sharded_flat[self.shard_numel :])
 
     def reshard(self) -> None:
-        if self._pending_gather is not None:  # never free memory a collective still writes
+        # Never free memory a collective still writes (or a deferred one will).
+        if self._pending_gather is not None or self._gather_issue is not None:
             self.finish_all_gather()
         self._partial = None
         self._free_unsharded()
@@ -431,6 +450,11 @@ class FlatBucket:
     def reduces_in_storage(self) -> bool:
         return self._reduce_in_storage
 
+    def reduce_in_flight(self) -> torch.futures.Future | None:
+        """The future of a reduce in storage still running (done once its storage is free)."""
+        staged = self._staged
+        return staged if staged is not None and not staged.done() else None
+
     def deposit(self, p: FSDPParam, grad: torch.Tensor) -> None:
         """Add (or copy, if first) ``p``'s unsharded gradient into the reduce input."""
         layout = self.reduce_layout()
@@ -515,7 +539,8 @@ class FlatBucket:
         )
         # Take this rank's rows out and free the storage the moment the sum is done,
         # not when the next group's gradients need room: by then they are all resident.
-        self._staged = then(self._pending_reduce, functools.partial(self._stage_from_storage, self.reduce_layout()))
+        stage = functools.partial(self._stage_from_storage, self.reduce_layout())
+        self._staged = then(self._pending_reduce, stage)
 
     def has_pending_reduce(self) -> bool:
         return self._pending_reduce is not None
@@ -564,7 +589,8 @@ class FlatBucket:
             grads = grads.to(self.dtype)
             for start, end in layout.padding:
                 grads[start:end].zero_()
-            used = self._unsharded_write[flags_at : flags_at + len(layout.params) + len(layout.scalars)].clone()
+            n_flags = len(layout.params) + len(layout.scalars)
+            used = self._unsharded_write[flags_at : flags_at + n_flags].clone()
             scalar_vals = self._unsharded_write[world_numel:flags_at].to(self.dtype, copy=True)
             if self._divide_factor != 1:
                 grads.div_(self._divide_factor)
@@ -635,6 +661,11 @@ class FlatBucket:
             self.comm.pool.release(self._reduce_input)
             self._reduce_input = None
         self._deposited = [False] * len(self._deposited)
+        if self._gather_issue is not None:
+            try:
+                wait_future(self._gather_issue, f"all-gather of {self.name}")
+            finally:
+                self._gather_issue = None
         if self._pending_gather is not None:
             try:
                 wait_pending(self._pending_gather)

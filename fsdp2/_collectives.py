@@ -12,6 +12,7 @@ or silently mixing up data (e.g. when a data-dependent branch runs different gro
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -33,6 +34,39 @@ class Pending(NamedTuple):
     work: dist.Work | None
     result: torch.Tensor
     label: str
+
+
+# Issues deferred behind a collective still in flight (``issue_after``). Any other issue
+# waits for them first, so every rank issues its collectives in program order, whichever
+# thread issues them and whenever the collective they wait for completes.
+_DEFERRED: list[torch.futures.Future] = []
+_ISSUER = threading.local()
+
+
+def issue_after(future: torch.futures.Future, issue: Callable[[], Any]) -> torch.futures.Future:
+    """Run ``issue()``, which issues a collective, once ``future`` completed (on the
+    thread that completes it). The returned future completes when it has been issued."""
+
+    def run(done: torch.futures.Future) -> Any:
+        done.value()  # an error upstream: this issue is abandoned and reports it
+        _ISSUER.deferred = True
+        try:
+            return issue()
+        finally:
+            _ISSUER.deferred = False
+
+    issued = future.then(run)
+    _DEFERRED.append(issued)
+    return issued
+
+
+def _in_order() -> None:
+    """Before issuing a collective: the deferred issues go first."""
+    if getattr(_ISSUER, "deferred", False):
+        return
+    while _DEFERRED:
+        _wait(_DEFERRED[0].wait, "a deferred all-gather")
+        _DEFERRED.pop(0)
 
 
 def wait_pending(pending: Pending) -> torch.Tensor:
@@ -92,6 +126,7 @@ def all_gather_flat(
     shard: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup, async_op: bool, label: str
 ) -> Pending:
     """All-gather equal flat shards into ``output`` (``world * shard.numel()``), rank-major."""
+    _in_order()
     with record_function("fsdp2::all_gather"):
         if output.numel() == shard.numel():  # a group of one rank: nothing to exchange
             output.copy_(shard)
@@ -108,6 +143,7 @@ def all_gather_in_place(flat: torch.Tensor, group: dist.ProcessGroup, async_op: 
     added to it (``x + -0.0 == x`` bit for bit, +0.0 included; a NaN stays a NaN), so
     the sum is exactly the gathered tensor. Used on gloo, whose all-gather stages the whole output
     in a temporary and copies it; this writes straight into the caller's layout."""
+    _in_order()
     with record_function("fsdp2::all_gather"):
         if debug_enabled():
             check_same_collective(group, label, flat.numel())
@@ -117,6 +153,7 @@ def all_gather_in_place(flat: torch.Tensor, group: dist.ProcessGroup, async_op: 
 
 def all_reduce_in_place(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool, label: str) -> Pending:
     """Sum ``flat`` over ranks in place (gradients laid out however the caller likes)."""
+    _in_order()
     with record_function("fsdp2::reduce_scatter"):
         if debug_enabled():
             check_same_collective(group, label, flat.numel())
@@ -139,6 +176,7 @@ def reduce_scatter_flat(
     per rank and was about even in between (tools/bench_collectives.py), though it moves
     more bytes.
     """
+    _in_order()
     with record_function("fsdp2::reduce_scatter"):
         if input2d.shape[0] == 1:  # a group of one rank: the sum is the input
             return Pending(None, input2d[0], label)

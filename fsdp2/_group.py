@@ -40,6 +40,11 @@ if TYPE_CHECKING:
     from ._state import RootContext
 
 
+# Backward prefetches of in-place buckets start behind the reduce in storage still in
+# flight (``RootContext.reduce_in_flight``); False lets both hold memory at once.
+PREFETCH_BEHIND_REDUCE = True
+
+
 class TrainingState(Enum):
     IDLE = auto()  # outside forward and backward
     FORWARD = auto()  # between pre_forward and post_forward of one of its modules
@@ -125,8 +130,9 @@ class ParamGroup:
             b.name = f"group '{name}' [{b.dtype}]"
 
     # ------------------------------------------------------------ unshard/reshard
-    def unshard(self) -> None:
-        """Issue the all-gather (async); ``wait_for_unshard`` finishes it."""
+    def unshard(self, after: torch.futures.Future | None = None) -> None:
+        """Issue the all-gather (async); ``wait_for_unshard`` finishes it. Gathers in place
+        start only once ``after`` (a reduce in storage) completed."""
         if self.shard_state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return
         self._check_materialized()
@@ -134,7 +140,7 @@ class ParamGroup:
             self.ctx.finish_reduces_of(self)  # its storage still holds the gradients
         partial = self.partial_group if self.shard_state is ShardState.PARTIAL else None
         for b in self.buckets:
-            b.start_all_gather(partial)
+            b.start_all_gather(partial, after)
         self.shard_state = ShardState.GATHERING
 
     def wait_for_unshard(self) -> None:
@@ -297,8 +303,11 @@ class ParamGroup:
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()
         self.wait_for_unshard()
+        # Overlaps this group's backward compute; behind the reduce still in flight, so
+        # its gathered parameters take the memory that reduce frees (fsdp2._collectives).
+        after = ctx.reduce_in_flight() if PREFETCH_BEHIND_REDUCE else None
         for target in ctx.backward_prefetch_targets(self):
-            target.unshard()  # overlaps this group's backward compute
+            target.unshard(after)
         ctx.free_unreferenced(self)
 
     def post_backward_node(self, module_key: int, grads: tuple, counted: bool) -> None:

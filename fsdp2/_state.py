@@ -172,6 +172,14 @@ class RootContext:
         while self.root.is_last_backward and len(self.pending_reduces) >= MAX_PENDING_REDUCES:
             self._finish_oldest_reduce()
 
+    def reduce_in_flight(self) -> torch.futures.Future | None:
+        """The newest reduce in storage still running, if any."""
+        for _, b in reversed(self.pending_reduces):
+            running = b.reduce_in_flight()
+            if running is not None:
+                return running
+        return None
+
     def finish_reduces_of(self, group: ParamGroup) -> None:
         """Wait for ``group``'s reduce-scatters in flight (and the older ones before them)."""
         while any(g is group for g, _ in self.pending_reduces):

@@ -117,3 +117,38 @@ def _uneven_worker(rank: int, world: int) -> bool:
 
 def test_three_ranks_uneven_rows_in_place() -> None:
     assert all(run_ranks(_uneven_worker, 3))
+
+
+def _overlap_worker(rank: int, world: int, chain: bool) -> list[int]:
+    """After each block's pre_backward: how many other blocks hold their storage."""
+    import fsdp2._group as group_mod
+
+    fsdp2._bucket.IN_PLACE_MIN_BYTES = 0
+    group_mod.PREFETCH_BEHIND_REDUCE = chain
+    torch.manual_seed(0)
+    model = ToyModel(n_blocks=4)
+    for block in model.blocks:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    blocks = [b._fsdp2_state.group for b in model.blocks]
+    counts: list[int] = []
+    original = group_mod.ParamGroup.pre_backward
+
+    def probe(self: group_mod.ParamGroup) -> None:
+        original(self)
+        if self in blocks:
+            counts.append(sum(g is not self and any(b.unsharded_bytes() for b in g.buckets) for g in blocks))
+
+    group_mod.ParamGroup.pre_backward = probe  # type: ignore[method-assign]
+    for step in range(3):  # the first step records the order; later ones prefetch
+        ids, targets = batch(step, 2 * world)
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    return counts
+
+
+def test_backward_prefetch_waits_for_the_reduce_in_flight() -> None:
+    """While block k computes its gradients, block k+1's gradients are still being summed
+    in its storage: block k-1's gather starts only once that storage is free, so besides
+    block k at most one block's storage is resident."""
+    for counts in run_ranks(_overlap_worker, 2, True):
+        assert counts and max(counts) <= 1, counts
