@@ -19,11 +19,14 @@ Layouts (``W`` ranks, ``S`` = sum of the padded shard sizes):
   ``grad=None`` exactly as in local training, and every rank reduces the same bytes.
 
 In place (``in_place``: gloo, floating compute dtype, at least ``IN_PLACE_MIN_BYTES``)
-there is no all-gather output and, usually, no reduce input:
+there is no reduce input, usually, and from ``GATHER_IN_PLACE_MIN_WORLD`` ranks no
+all-gather output either:
 
 * the all-gather is an all-reduce of the unsharded flat itself, where each rank wrote
   its own rows and -0.0 everywhere else (no pooled buffer, no copy-out, and none of
-  the full-size temporary that gloo's own all-gather allocates and copies from);
+  the full-size temporary that gloo's own all-gather allocates and copies from); it
+  moves twice the bytes, which on 2 ranks made it slower than gloo's all-gather at
+  every size (tools/bench_collectives.py), so 2 ranks keep the pooled all-gather;
 * once a backward no longer reads the parameters, their gradients are written where
   the parameters were (``W*S + R``), followed by the "used" flags, and summed by one
   all-reduce of that storage; as soon as it completes (on gloo's thread) this rank's
@@ -51,6 +54,7 @@ from ._collectives import (
     all_gather_in_place,
     all_reduce_in_place,
     debug_enabled,
+    gather_group,
     issue_after,
     reduce_scatter_flat,
     then,
@@ -59,10 +63,12 @@ from ._collectives import (
 )
 from ._param import FSDPParam
 
-# Gathers of at least this many bytes run in place on gloo (``FlatBucket.in_place``);
-# smaller ones are latency-bound, and gloo's all-gather is quicker there. Read when a
-# bucket is built; the environment variable is for tuning and tests.
+# Buckets of at least this many bytes reduce (and, from GATHER_IN_PLACE_MIN_WORLD
+# ranks, gather) in place on gloo (``FlatBucket.in_place``); smaller ones are
+# latency-bound, and gloo's all-gather is quicker there. Read when a bucket is built;
+# the environment variables are for tuning and tests.
 IN_PLACE_MIN_BYTES = int(os.environ.get("FSDP2_IN_PLACE_MIN_BYTES", str(1 << 20)))
+GATHER_IN_PLACE_MIN_WORLD = int(os.environ.get("FSDP2_GATHER_IN_PLACE_MIN_WORLD", "3"))
 
 
 class CommContext(NamedTuple):
@@ -161,11 +167,14 @@ class FlatBucket:
         # On gloo, large buckets gather and reduce in place, in the unsharded storage:
         # no pooled buffer, no copy-out, no temporary inside gloo's all-gather.
         self.in_place = (
-            not self.gather_is_identity
+            world > 1
+            and self.sharded_flat.device.type == "cpu"  # the copy-out runs on gloo's thread
             and self.comm.reduce_by_all_reduce
             and self.compute_dtype.is_floating_point
             and world * self.shard_numel * self.compute_dtype.itemsize >= IN_PLACE_MIN_BYTES
         )
+        self.gather_in_place = self.in_place and world >= GATHER_IN_PLACE_MIN_WORLD
+        self._gather_group = gather_group(self.comm.group) if self.gather_in_place else None
         # Room after the parameters for the reduce's "used" flags, one per parameter.
         extra = len(self.params) if self.in_place else 0
         if self.gather_is_identity:
@@ -287,7 +296,7 @@ class FlatBucket:
             source, group = self._partial, partial_group
         else:
             source, group = self.sharded_flat[: self.shard_numel], comm.group
-            if self.in_place:
+            if self.gather_in_place:
                 if after is not None and not after.done() and not debug_enabled():
                     issue = functools.partial(self._start_gather_in_place, source)
                     self._gather_issue = issue_after(after, issue)
@@ -318,7 +327,7 @@ class FlatBucket:
             sizes = [p.shard_numel for p in self.sharded_params]
             torch.split_with_sizes_copy(shard, sizes, out=self._own_rows)
         self._pending_gather = all_gather_in_place(
-            region, self.comm.group, async_op=True, label=f"all-gather of {self.name}"
+            region, self._gather_group, async_op=True, label=f"all-gather of {self.name}"
         )
 
     def finish_all_gather(self) -> None:
@@ -429,22 +438,37 @@ class FlatBucket:
         return self.comm.world * max(self.shard_numel, self.reduce_layout().numel)
 
     def lend_storage_for_reduce(self) -> None:
-        """Called once nothing reads the unsharded parameters any more, before the last
-        gradients of this backward are deposited: when the bucket gathers in place, every
-        parameter is reduced and nothing is accumulated yet, the gradients go into the
-        parameters' own places in the unsharded storage and are summed there, instead of
-        into a pooled reduce buffer (``finish_reduce`` frees the storage)."""
+        """Called once nothing reads the unsharded parameters any more (before the last
+        node's gradients are deposited, and again before the reduce is issued): when the
+        bucket is in place, every parameter is reduced and the reduce dtype is the compute
+        dtype, the gradients go into the parameters' own places in the unsharded storage
+        and are summed there (gradients already in a pooled buffer are moved over);
+        ``finish_reduce`` frees the storage. Idempotent."""
+        if self._reduce_in_storage:
+            return
         layout = self.reduce_layout()
-        if (
+        # Only conditions every rank agrees on: which gradients a rank deposited so far
+        # depends on its data, and all ranks must issue the same reduce.
+        if not (
             self.in_place
             and self.reduce_dtype == self.compute_dtype
             and len(layout.params) + len(layout.scalars) == len(self.params)
-            and self._reduce_input is None
             and self._pending_reduce is None
-            and not any(self._deposited)
         ):
-            self._alloc_unsharded()  # a group freed early (the root) gets it back here
-            self._reduce_in_storage = True
+            return
+        self._alloc_unsharded()  # a group freed early (the root) gets it back here
+        self._reduce_in_storage = True
+        if self._reduce_input is not None:  # gradients accumulated in a pooled buffer: move them
+            buf = self._reduce_input2d()
+            for p, off, rows in zip(layout.params, layout.offsets, self._copy_out):
+                if self._deposited[p.rs_index]:
+                    rows.copy_(buf[:, off : off + p.shard_numel])
+            base = layout.grad_numel + len(layout.params) + len(layout.scalars)
+            for i, p in enumerate(layout.scalars):
+                if self._deposited[p.rs_index]:
+                    self._grad_slots[p.bucket_index].copy_(buf[0, base + i])
+            self.comm.pool.release(self._reduce_input)
+            self._reduce_input = None
 
     @property
     def reduces_in_storage(self) -> bool:
@@ -539,7 +563,7 @@ class FlatBucket:
         )
         # Take this rank's rows out and free the storage the moment the sum is done,
         # not when the next group's gradients need room: by then they are all resident.
-        stage = functools.partial(self._stage_from_storage, self.reduce_layout())
+        stage = functools.partial(self._stage_from_storage, self.reduce_layout(), self._divide_factor)
         self._staged = then(self._pending_reduce, stage)
 
     def has_pending_reduce(self) -> bool:
@@ -577,7 +601,7 @@ class FlatBucket:
             self._deposited = [False] * len(self._deposited)
             self._ready_grads.append((layout, grads, used, scalar_vals))
 
-    def _stage_from_storage(self, layout: ReduceLayout) -> tuple:
+    def _stage_from_storage(self, layout: ReduceLayout, divide_factor: float) -> tuple:
         """The reduce in storage completed: copy out this rank's rows of every parameter
         (laid out like its shards), the flags and the scalars, then free the storage.
         Runs on gloo's thread; nothing else touches this bucket's storage meanwhile
@@ -592,9 +616,9 @@ class FlatBucket:
             n_flags = len(layout.params) + len(layout.scalars)
             used = self._unsharded_write[flags_at : flags_at + n_flags].clone()
             scalar_vals = self._unsharded_write[world_numel:flags_at].to(self.dtype, copy=True)
-            if self._divide_factor != 1:
-                grads.div_(self._divide_factor)
-                scalar_vals.div_(self._divide_factor)
+            if divide_factor != 1:
+                grads.div_(divide_factor)
+                scalar_vals.div_(divide_factor)
         self.unsharded_flat.untyped_storage().resize_(0)
         self._reduce_in_storage = False  # only now: an unshard may take the storage again
         return (layout, grads, used, scalar_vals)
@@ -654,9 +678,9 @@ class FlatBucket:
             finally:
                 self._pending_reduce = None
                 self._staged = None
-        if self._reduce_in_storage:
-            self._reduce_in_storage = False
-            self._free_unsharded()
+                if self._reduce_in_storage:  # the sum is over (or failed): the storage is ours
+                    self._reduce_in_storage = False
+                    self._free_unsharded()
         if self._reduce_input is not None:
             self.comm.pool.release(self._reduce_input)
             self._reduce_input = None

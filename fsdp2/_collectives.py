@@ -36,37 +36,59 @@ class Pending(NamedTuple):
     label: str
 
 
-# Issues deferred behind a collective still in flight (``issue_after``). Any other issue
-# waits for them first, so every rank issues its collectives in program order, whichever
-# thread issues them and whenever the collective they wait for completes.
+# In-place all-gathers can be deferred behind a reduce still in flight and then issued
+# from the thread that completes it (``issue_after``). They run on a process group of
+# their own (``gather_group``), so no other collective, fsdp2's or the user's, shares
+# their order; among themselves they keep program order on every rank: a deferred
+# gather waits for the previous deferred one, and one issued directly waits for all.
 _DEFERRED: list[torch.futures.Future] = []
 _ISSUER = threading.local()
+_GATHER_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def gather_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The gloo group over ``group``'s ranks that in-place all-gathers use (created once,
+    by the member ranks only: each builds its buckets in the same order)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _GATHER_GROUPS:
+        _GATHER_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _GATHER_GROUPS[ranks]
 
 
 def issue_after(future: torch.futures.Future, issue: Callable[[], Any]) -> torch.futures.Future:
-    """Run ``issue()``, which issues a collective, once ``future`` completed (on the
-    thread that completes it). The returned future completes when it has been issued."""
+    """Run ``issue()``, which issues an in-place all-gather, once ``future`` and every
+    earlier deferred issue completed (on the thread that completes the last of them).
+    The returned future completes when it has been issued."""
+    prev = _DEFERRED[-1] if _DEFERRED else None
+    ready = torch.futures.collect_all([future, prev]) if prev is not None else future
 
     def run(done: torch.futures.Future) -> Any:
-        done.value()  # an error upstream: this issue is abandoned and reports it
+        for upstream in done.value() if prev is not None else [done]:
+            upstream.value()  # an error upstream: this issue is abandoned and reports it
+        if getattr(_ISSUER, "registering", False):  # ran inline: everything before it is issued
+            return issue()
         _ISSUER.deferred = True
         try:
             return issue()
         finally:
             _ISSUER.deferred = False
 
-    issued = future.then(run)
+    _ISSUER.registering = True
+    try:
+        issued = ready.then(run)
+    finally:
+        _ISSUER.registering = False
     _DEFERRED.append(issued)
     return issued
 
 
 def _in_order() -> None:
-    """Before issuing a collective: the deferred issues go first."""
+    """Before issuing an in-place all-gather: the deferred ones go first."""
     if getattr(_ISSUER, "deferred", False):
-        return
+        return  # a deferred issue: the ones before it are issued already
     while _DEFERRED:
-        _wait(_DEFERRED[0].wait, "a deferred all-gather")
-        _DEFERRED.pop(0)
+        head = _DEFERRED.pop(0)
+        _wait(head.wait, "a deferred all-gather")
 
 
 def wait_pending(pending: Pending) -> torch.Tensor:
@@ -126,7 +148,6 @@ def all_gather_flat(
     shard: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup, async_op: bool, label: str
 ) -> Pending:
     """All-gather equal flat shards into ``output`` (``world * shard.numel()``), rank-major."""
-    _in_order()
     with record_function("fsdp2::all_gather"):
         if output.numel() == shard.numel():  # a group of one rank: nothing to exchange
             output.copy_(shard)
@@ -153,7 +174,6 @@ def all_gather_in_place(flat: torch.Tensor, group: dist.ProcessGroup, async_op: 
 
 def all_reduce_in_place(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool, label: str) -> Pending:
     """Sum ``flat`` over ranks in place (gradients laid out however the caller likes)."""
-    _in_order()
     with record_function("fsdp2::reduce_scatter"):
         if debug_enabled():
             check_same_collective(group, label, flat.numel())
@@ -176,7 +196,6 @@ def reduce_scatter_flat(
     per rank and was about even in between (tools/bench_collectives.py), though it moves
     more bytes.
     """
-    _in_order()
     with record_function("fsdp2::reduce_scatter"):
         if input2d.shape[0] == 1:  # a group of one rank: the sum is the input
             return Pending(None, input2d[0], label)

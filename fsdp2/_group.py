@@ -348,6 +348,10 @@ class ParamGroup:
             return
         for b in self.buckets:
             if b.has_reduced_params():
+                if self.reshard_after_backward:
+                    # Every rank decides alike here, whether or not its last node lent
+                    # the storage already (which nodes ran can depend on the data).
+                    b.lend_storage_for_reduce()
                 b.start_reduce(self.divide_factor())
                 assert self.ctx is not None
                 self.ctx.add_pending_reduce(self, b)

@@ -62,11 +62,17 @@ def impl(name: str) -> Any:
     return importlib.import_module("fsdp2" if name == "fsdp2" else "torch.distributed.fsdp")
 
 
-def force_in_place() -> None:
-    """In this process, gather and reduce every bucket built from now on in place."""
+# For spawned ranks (``monkeypatch.setenv``): every bucket gathers and reduces in place.
+IN_PLACE_ENV = {"FSDP2_IN_PLACE_MIN_BYTES": "0", "FSDP2_GATHER_IN_PLACE_MIN_WORLD": "2"}
+
+
+def force_in_place(gather: bool = True) -> None:
+    """In this process, every bucket built from now on reduces in place, and with
+    ``gather`` also gathers in place (on any number of ranks)."""
     import fsdp2._bucket
 
     fsdp2._bucket.IN_PLACE_MIN_BYTES = 0
+    fsdp2._bucket.GATHER_IN_PLACE_MIN_WORLD = 2 if gather else 1 << 30
 
 
 def batch(step: int, global_batch: int, seq: int = 5, vocab: int = 11) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import fsdp2
 from _dist import run_ranks
-from _models import ToyModel, batch, full_params, loss_fn
+from _models import IN_PLACE_ENV, ToyModel, batch, full_params, loss_fn
 from fsdp2._group import ShardState, TrainingState
 
 
@@ -279,7 +279,8 @@ def _last_backward_worker(rank: int, world: int) -> float:
 @pytest.mark.parametrize("world,in_place", [(1, False), (2, False), (2, True)])
 def test_is_last_backward_false_over_micro_batches(world: int, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if in_place:  # reduces in flight hold the parameters' storage: the next forward waits
-        monkeypatch.setenv("FSDP2_IN_PLACE_MIN_BYTES", "0")
+        for key, value in IN_PLACE_ENV.items():
+            monkeypatch.setenv(key, value)
     assert max(run_ranks(_last_backward_worker, world)) < 1e-12
 
 

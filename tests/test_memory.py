@@ -12,7 +12,7 @@ import torch.nn as nn
 import fsdp2
 from _comm import CommCounter
 from _dist import run_ranks
-from _models import ToyModel, batch, loss_fn
+from _models import IN_PLACE_ENV, ToyModel, batch, loss_fn
 
 
 def _shard(model: nn.Module) -> nn.Module:
@@ -79,7 +79,8 @@ def _retain_graph_worker(rank: int, world: int) -> bool:
 @pytest.mark.parametrize("in_place", [False, True])
 def test_retained_graph_keeps_reading_the_root_parameters(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if in_place:
-        monkeypatch.setenv("FSDP2_IN_PLACE_MIN_BYTES", "0")
+        for key, value in IN_PLACE_ENV.items():
+            monkeypatch.setenv(key, value)
     assert all(run_ranks(_retain_graph_worker, 2))
 
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import fsdp2
 from _dist import run_ranks
+from _models import IN_PLACE_ENV
 from fsdp2._group import ShardState, TrainingState
 
 
@@ -96,7 +97,8 @@ def test_recovery_after_exceptions() -> None:
 def test_recovery_after_backward_failure_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """The last module's gradients are being summed in its parameters' storage when the
     middle one raises: the reduce is waited for and the storage freed."""
-    monkeypatch.setenv("FSDP2_IN_PLACE_MIN_BYTES", "0")
+    for key, value in IN_PLACE_ENV.items():
+        monkeypatch.setenv(key, value)
     for out in run_ranks(_recovery_worker, 2, "backward", False):
         assert all(out.values()), out
 

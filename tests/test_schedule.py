@@ -10,7 +10,7 @@ import torch.nn as nn
 import fsdp2
 from _comm import CommCounter
 from _dist import run_ranks
-from _models import ToyModel, batch, loss_fn
+from _models import IN_PLACE_ENV, ToyModel, batch, loss_fn
 from fsdp2._group import ShardState
 
 N_BLOCKS = 3
@@ -54,7 +54,8 @@ def _count_worker(rank: int, world: int, reshard: bool) -> dict:
 @pytest.mark.parametrize("in_place", [False, True])
 def test_one_all_gather_per_unshard_one_reduce_per_group(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if in_place:  # gathers are all-reduces then; the counter still sees one all-gather each
-        monkeypatch.setenv("FSDP2_IN_PLACE_MIN_BYTES", "0")
+        for key, value in IN_PLACE_ENV.items():
+            monkeypatch.setenv(key, value)
     for reshard in (True, False):
         for out in run_ranks(_count_worker, 2, reshard):
             assert out["in_place"] == [in_place] * len(out["in_place"]), out

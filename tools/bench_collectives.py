@@ -4,8 +4,11 @@
 
 For a range of per-rank sizes, times (median of repeated calls, ranks synchronized
 before each) the all-gather as ``all_gather_single`` and as the list ``all_gather``,
-and the gradient reduction as ``reduce_scatter_single`` and as an in-place
-``all_reduce`` of the same buffer (what fsdp2 uses on gloo: ``CommContext.reduce_by_all_reduce``).
+each followed by the copy-out into a parameter-major buffer, and as fsdp2's in-place
+gather (fill with -0.0, copy this rank's rows in, ``all_reduce``: no copy-out, and none
+of the output-sized temporary gloo's all-gather allocates); and the gradient reduction
+as ``reduce_scatter_single`` and as an in-place ``all_reduce`` of the same buffer (what
+fsdp2 uses on gloo: ``CommContext.reduce_by_all_reduce``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from _dist import run_ranks  # noqa: E402
 
-SIZES = [1_000, 10_000, 100_000, 1_000_000]
+SIZES = [1_000, 10_000, 100_000, 1_000_000, 3_000_000]
 
 
 def _time(fn, repeats: int) -> float:  # noqa: ANN001
@@ -41,10 +44,24 @@ def _worker(rank: int, world: int, repeats: int) -> dict:
     out = {}
     for n in SIZES:
         shard, gathered, full = torch.ones(n), torch.empty(world * n), torch.ones(world * n)
+        unsharded = torch.empty(world * n)
         pieces = list(gathered.chunk(world))
+
+        def gather_then_copy(gather) -> None:  # noqa: ANN001
+            gather()
+            unsharded.copy_(gathered)
+
+        def gather_in_place() -> None:
+            unsharded.fill_(-0.0)
+            unsharded[rank * n : (rank + 1) * n].copy_(shard)
+            dist.all_reduce(unsharded)
+
         out[n] = {
-            "all_gather_single": _time(lambda: dist.all_gather_single(gathered, shard), repeats),
-            "all_gather (list)": _time(lambda: dist.all_gather(pieces, shard), repeats),
+            "all_gather_single+copy": _time(
+                lambda: gather_then_copy(lambda: dist.all_gather_single(gathered, shard)), repeats
+            ),
+            "all_gather (list)+copy": _time(lambda: gather_then_copy(lambda: dist.all_gather(pieces, shard)), repeats),
+            "in-place all_reduce gather": _time(gather_in_place, repeats),
             "reduce_scatter_single": _time(lambda: dist.reduce_scatter_single(shard, full), repeats),
             "all_reduce (W*n)": _time(lambda: dist.all_reduce(full), repeats),
         }
@@ -62,6 +79,8 @@ def main() -> None:
         cells = "  ".join(f"{k} {v:7.3f}" for k, v in row.items())
         print(f"  {n:>9,d}: {cells}")
         print(f"             reduce_scatter / all_reduce: {row['reduce_scatter_single'] / row['all_reduce (W*n)']:.2f}")
+        ratio = row["in-place all_reduce gather"] / row["all_gather_single+copy"]
+        print(f"             in-place gather / all_gather_single+copy: {ratio:.2f}")
 
 
 if __name__ == "__main__":
