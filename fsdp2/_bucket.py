@@ -18,15 +18,16 @@ Layouts (``W`` ranks, ``S`` = sum of the padded shard sizes):
   above zero means some rank produced a gradient, so unused parameters keep
   ``grad=None`` exactly as in local training, and every rank reduces the same bytes.
 
-In place (``in_place``: gloo, floating compute dtype, at least ``IN_PLACE_MIN_BYTES``)
-there is no reduce input, usually, and from ``GATHER_IN_PLACE_MIN_WORLD`` ranks no
-all-gather output either:
+In place (``in_place``: gloo on CPU, floating compute dtype, at least
+``IN_PLACE_MIN_BYTES`` and ``IN_PLACE_MIN_WORLD`` ranks) there is no all-gather output
+and, usually, no reduce input:
 
 * the all-gather is an all-reduce of the unsharded flat itself, where each rank wrote
   its own rows and -0.0 everywhere else (no pooled buffer, no copy-out, and none of
   the full-size temporary that gloo's own all-gather allocates and copies from); it
   moves twice the bytes, which on 2 ranks made it slower than gloo's all-gather at
-  every size (tools/bench_collectives.py), so 2 ranks keep the pooled all-gather;
+  every size (tools/bench_collectives.py), and the 2-rank wide benchmark ran 3-5%
+  slower in place, so 2 ranks keep the pooled path;
 * once a backward no longer reads the parameters, their gradients are written where
   the parameters were (``W*S + R``), followed by the "used" flags, and summed by one
   all-reduce of that storage; as soon as it completes (on gloo's thread) this rank's
@@ -63,12 +64,14 @@ from ._collectives import (
 )
 from ._param import FSDPParam
 
-# Buckets of at least this many bytes reduce (and, from GATHER_IN_PLACE_MIN_WORLD
-# ranks, gather) in place on gloo (``FlatBucket.in_place``); smaller ones are
-# latency-bound, and gloo's all-gather is quicker there. Read when a bucket is built;
-# the environment variables are for tuning and tests.
+# Buckets of at least this many bytes, on at least this many ranks, gather and reduce
+# in place on gloo (``FlatBucket.in_place``); smaller ones are latency-bound and 2 ranks
+# run faster pooled (gloo's all-gather is quicker there). Read when a bucket is built;
+# the environment variables are for tuning and tests. ``GATHER_IN_PLACE`` False keeps
+# the pooled all-gather with the in-place reduce (tests).
 IN_PLACE_MIN_BYTES = int(os.environ.get("FSDP2_IN_PLACE_MIN_BYTES", str(1 << 20)))
-GATHER_IN_PLACE_MIN_WORLD = int(os.environ.get("FSDP2_GATHER_IN_PLACE_MIN_WORLD", "3"))
+IN_PLACE_MIN_WORLD = int(os.environ.get("FSDP2_IN_PLACE_MIN_WORLD", "3"))
+GATHER_IN_PLACE = True
 
 
 class CommContext(NamedTuple):
@@ -168,12 +171,13 @@ class FlatBucket:
         # no pooled buffer, no copy-out, no temporary inside gloo's all-gather.
         self.in_place = (
             world > 1
+            and world >= IN_PLACE_MIN_WORLD
             and self.sharded_flat.device.type == "cpu"  # the copy-out runs on gloo's thread
             and self.comm.reduce_by_all_reduce
             and self.compute_dtype.is_floating_point
             and world * self.shard_numel * self.compute_dtype.itemsize >= IN_PLACE_MIN_BYTES
         )
-        self.gather_in_place = self.in_place and world >= GATHER_IN_PLACE_MIN_WORLD
+        self.gather_in_place = self.in_place and GATHER_IN_PLACE
         self._gather_group = gather_group(self.comm.group) if self.gather_in_place else None
         # Room after the parameters for the reduce's "used" flags, one per parameter.
         extra = len(self.params) if self.in_place else 0

@@ -63,7 +63,7 @@ def impl(name: str) -> Any:
 
 
 # For spawned ranks (``monkeypatch.setenv``): every bucket gathers and reduces in place.
-IN_PLACE_ENV = {"FSDP2_IN_PLACE_MIN_BYTES": "0", "FSDP2_GATHER_IN_PLACE_MIN_WORLD": "2"}
+IN_PLACE_ENV = {"FSDP2_IN_PLACE_MIN_BYTES": "0", "FSDP2_IN_PLACE_MIN_WORLD": "2"}
 
 
 def force_in_place(gather: bool = True) -> None:
@@ -72,7 +72,8 @@ def force_in_place(gather: bool = True) -> None:
     import fsdp2._bucket
 
     fsdp2._bucket.IN_PLACE_MIN_BYTES = 0
-    fsdp2._bucket.GATHER_IN_PLACE_MIN_WORLD = 2 if gather else 1 << 30
+    fsdp2._bucket.IN_PLACE_MIN_WORLD = 2
+    fsdp2._bucket.GATHER_IN_PLACE = gather
 
 
 def batch(step: int, global_batch: int, seq: int = 5, vocab: int = 11) -> tuple[torch.Tensor, torch.Tensor]:

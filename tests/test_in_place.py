@@ -26,7 +26,7 @@ def _train(
 ) -> dict:
     if mode == "pooled":
         fsdp2._bucket.IN_PLACE_MIN_BYTES = 1 << 62
-    else:  # "in_place", or "reduce_in_place": the pooled all-gather (2 ranks' default)
+    else:  # "in_place", or "reduce_in_place": pooled all-gather, reduce in the storage
         force_in_place(gather=mode == "in_place")
     torch.manual_seed(0)
     model = ToyModel()
