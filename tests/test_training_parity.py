@@ -116,8 +116,8 @@ def _worker(rank: int, world: int, lib_name: str, names: list[str]) -> dict[str,
 
 
 @functools.cache
-def _results(world: int, lib_name: str) -> dict[str, Any]:
-    names = [n for n, c in CONFIGS.items() if c.get("min_world", 1) <= world]
+def _results(world: int, lib_name: str, only: tuple[str, ...] = ()) -> dict[str, Any]:
+    names = [n for n, c in CONFIGS.items() if c.get("min_world", 1) <= world and (not only or n in only)]
     return run_ranks(_worker, world, lib_name, names)[0]
 
 
@@ -131,14 +131,16 @@ def test_parity(world: int, name: str) -> None:
     assert result["loss"] <= 1e-10, result
 
 
-IN_PLACE_CASES = [(w, n) for w in (2, 4) for n, c in CONFIGS.items() if c.get("min_world", 1) <= w]
+# Every configuration at 2 ranks; at 4 only what 2 cannot show (the partial reshard's
+# gather over a sub-group), to keep the suite's time in bounds.
+IN_PLACE_CASES = [(2, n) for n, c in CONFIGS.items() if c.get("min_world", 1) <= 2] + [(4, "reshard_int")]
 
 
 @pytest.mark.parametrize("world,name", IN_PLACE_CASES, ids=[f"{w}-{n}" for w, n in IN_PLACE_CASES])
 def test_parity_gathering_and_reducing_in_place(world: int, name: str) -> None:
     """The gloo path of large buckets (gather as a sum over -0.0, gradients summed in the
     parameters' storage), forced on for every bucket of the small model."""
-    result = _results(world, "fsdp2-in-place")[name]
+    result = _results(world, "fsdp2-in-place", () if world == 2 else ("reshard_int",))[name]
     assert isinstance(result, dict), result
     assert result["loss"] <= 1e-10, result
 
