@@ -576,34 +576,29 @@ class FlatBucket:
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and stage the sharded gradients for ``commit_grads``."""
         assert self._pending_reduce is not None, "fsdp2 internal error: no reduce-scatter issued"
-        layout = self.reduce_layout()
-        divide_factor = self._divide_factor
-        if self._staged is not None:  # reduced in storage
+        if self._staged is not None:  # reduced in storage: staged on gloo's thread
             staged = wait_future(self._staged, self._pending_reduce.label)
             self._staged = None
-            self._pending_reduce = None
-            self._deposited = [False] * len(self._deposited)
-            self._ready_grads.append(staged)  # type: ignore[arg-type]
-            return
-        result = wait_pending(self._pending_reduce)
+        else:
+            staged = self._stage_from_pool(wait_pending(self._pending_reduce))
+        self._pending_reduce = None
+        self._deposited = [False] * len(self._deposited)
+        self._ready_grads.append(staged)
+
+    def _stage_from_pool(self, result: torch.Tensor) -> tuple:
+        """The pooled reduce completed: copy out this rank's row, then release the buffer."""
+        layout = self.reduce_layout()
         with record_function("fsdp2::grad_copy"):
             grads = result[: layout.grad_numel].to(self.dtype, copy=True)
-            for start, end in layout.padding:
-                grads[start:end].zero_()
-            if divide_factor != 1:
-                grads.div_(divide_factor)
             flag_end = layout.grad_numel + len(layout.params) + len(layout.scalars)
             # Kept as a tensor: reading it (a device sync on GPUs) waits for commit_grads.
             used = result[layout.grad_numel : flag_end].clone()
             row0 = self._reduce_input2d()[0]  # every rank holds every row after an all-reduce
             scalar_vals = row0[flag_end : layout.numel].to(self.dtype, copy=True)
-            if divide_factor != 1:
-                scalar_vals.div_(divide_factor)
-            self.comm.pool.release(self._reduce_input)  # type: ignore[arg-type]
-            self._reduce_input = None
-            self._pending_reduce = None
-            self._deposited = [False] * len(self._deposited)
-            self._ready_grads.append((layout, grads, used, scalar_vals))
+            staged = _staged(layout, grads, used, scalar_vals, self._divide_factor)
+        self.comm.pool.release(self._reduce_input)  # type: ignore[arg-type]
+        self._reduce_input = None
+        return staged
 
     def _stage_from_storage(self, layout: ReduceLayout, divide_factor: float) -> tuple:
         """The reduce in storage completed: copy out this rank's rows of every parameter
@@ -614,18 +609,13 @@ class FlatBucket:
         flags_at = world_numel + len(self.scalars)
         with record_function("fsdp2::grad_copy"):
             grads = torch.cat(self._own_rows) if self._own_rows else self._unsharded_write[:0].clone()
-            grads = grads.to(self.dtype)
-            for start, end in layout.padding:
-                grads[start:end].zero_()
             n_flags = len(layout.params) + len(layout.scalars)
             used = self._unsharded_write[flags_at : flags_at + n_flags].clone()
             scalar_vals = self._unsharded_write[world_numel:flags_at].to(self.dtype, copy=True)
-            if divide_factor != 1:
-                grads.div_(divide_factor)
-                scalar_vals.div_(divide_factor)
+            staged = _staged(layout, grads.to(self.dtype), used, scalar_vals, divide_factor)
         self.unsharded_flat.untyped_storage().resize_(0)
         self._reduce_in_storage = False  # only now: an unshard may take the storage again
-        return (layout, grads, used, scalar_vals)
+        return staged
 
     def commit_grads(self) -> None:
         """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
@@ -715,6 +705,19 @@ def _storage_refs(t: torch.Tensor) -> int | None:
     if sys.getrefcount(storage) > 2:  # a storage handle someone keeps: count it as a user
         return use_count(storage._cdata) + 1
     return use_count(storage._cdata) - 1  # minus the handle just created
+
+
+def _staged(
+    layout: ReduceLayout, grads: torch.Tensor, used: torch.Tensor, scalar_vals: torch.Tensor, divide_factor: float
+) -> tuple[ReduceLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's reduced gradients as ``commit_grads`` takes them: the padding rows
+    zeroed (a flat optimizer step keeps them at zero) and everything divided."""
+    for start, end in layout.padding:
+        grads[start:end].zero_()
+    if divide_factor != 1:
+        grads.div_(divide_factor)
+        scalar_vals.div_(divide_factor)
+    return layout, grads, used, scalar_vals
 
 
 def _write(dst: torch.Tensor, src: torch.Tensor, first: bool) -> None:
