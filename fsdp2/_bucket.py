@@ -46,7 +46,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import record_function
 
 from ._buffers import BufferPool
 from ._collectives import (
@@ -59,6 +58,7 @@ from ._collectives import (
     issue_after,
     reduce_scatter_flat,
     then,
+    traced,
     wait_future,
     wait_pending,
 )
@@ -82,7 +82,9 @@ class CommContext(NamedTuple):
     rank: int
     world: int
     pool: BufferPool
-    reduce_by_all_reduce: bool
+    # gloo: pooled reduces run as an all-to-all plus a local sum, large buckets may
+    # gather and reduce in place (both faster than gloo's all-gather/reduce-scatter).
+    on_gloo: bool
 
 
 class ReduceLayout(NamedTuple):
@@ -133,6 +135,7 @@ class FlatBucket:
         self._partial: torch.Tensor | None = None  # post-forward partial reshard (int)
         self._pending_reduce: Pending | None = None
         self._reduce_input: torch.Tensor | None = None  # pooled, owned until reduced
+        self._reduce_scratch: torch.Tensor | None = None  # pooled, the all-to-all's receive buffer
         self._deposited: list[bool] = []
         # reduced, not yet in .grad: (layout, gradients, used flags, replicated values)
         self._ready_grads: list[tuple[ReduceLayout, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -173,7 +176,7 @@ class FlatBucket:
             world > 1
             and world >= IN_PLACE_MIN_WORLD
             and self.sharded_flat.device.type == "cpu"  # the copy-out runs on gloo's thread
-            and self.comm.reduce_by_all_reduce
+            and self.comm.on_gloo
             and self.compute_dtype.is_floating_point
             and world * self.shard_numel * self.compute_dtype.itemsize >= IN_PLACE_MIN_BYTES
         )
@@ -308,7 +311,7 @@ class FlatBucket:
                     self._start_gather_in_place(source)
                 return
             if self.compute_dtype != self.dtype:
-                with record_function("fsdp2::cast_for_all_gather"):
+                with traced("fsdp2::cast_for_all_gather"):
                     source = source.to(self.compute_dtype)
         self._gather_buf = comm.pool.acquire(self._comm_numel(), self.compute_dtype, source.device)
         output = self._gather_buf[: comm.world * self.shard_numel]
@@ -324,7 +327,7 @@ class FlatBucket:
             raise AssertionError(f"fsdp2 internal error: {self.name} gathers into storage a reduce uses")
         self._alloc_unsharded()
         region = self._unsharded_write[: self.comm.world * self.shard_numel]
-        with record_function("fsdp2::copy_in"):
+        with traced("fsdp2::copy_in"):
             region.fill_(-0.0)
             if self.compute_dtype != self.dtype:
                 shard = shard.to(self.compute_dtype)
@@ -349,7 +352,7 @@ class FlatBucket:
             self._pending_gather = None
             self._gather_input = None
             if self._gather_buf is not None:
-                with record_function("fsdp2::copy_out"):
+                with traced("fsdp2::copy_out"):
                     torch.split_with_sizes_copy(
                         output.view(self.comm.world, self.shard_numel),
                         [p.shard_numel for p in self.sharded_params],
@@ -471,8 +474,7 @@ class FlatBucket:
             for i, p in enumerate(layout.scalars):
                 if self._deposited[p.rs_index]:
                     self._grad_slots[p.bucket_index].copy_(buf[0, base + i])
-            self.comm.pool.release(self._reduce_input)
-            self._reduce_input = None
+            self._release_reduce_buffers()
 
     @property
     def reduces_in_storage(self) -> bool:
@@ -521,7 +523,7 @@ class FlatBucket:
             return
         layout = self.reduce_layout()
         buf = self._reduce_input2d()
-        with record_function("fsdp2::reduce_prepare"):
+        with traced("fsdp2::reduce_prepare"):
             for p, off in zip(layout.params, layout.offsets):
                 if not self._deposited[p.rs_index]:
                     buf[:, off : off + p.shard_numel].zero_()
@@ -532,15 +534,20 @@ class FlatBucket:
             flags = torch.tensor(self._deposited, dtype=buf.dtype).to(buf.device)
             buf[:, layout.grad_numel : scalar_base].copy_(flags)
         comm = self.comm
+        if comm.on_gloo and comm.world > 1:
+            method = "all_to_all"
+            self._reduce_scratch = comm.pool.acquire(buf.numel(), buf.dtype, buf.device)
+        else:
+            # Replicated scalars need bitwise-equal sums on every rank, but a
+            # reduce-scatter may sum each rank's row in a different order: reduce them
+            # with an all-reduce and read them from row 0 on every rank.
+            method = "all_reduce" if layout.scalars else "reduce_scatter"
         self._pending_reduce = reduce_scatter_flat(
-            # Replicated scalars need bitwise-equal sums on every rank, but each rank's row
-            # may be summed in a different order: reduce them with an all-reduce and read
-            # them from row 0 on every rank.
             buf,
             comm.group,
             comm.rank,
-            comm.reduce_by_all_reduce or bool(layout.scalars),
-            async_op=True,
+            method,
+            None if self._reduce_scratch is None else self._reduce_scratch.view(buf.shape),
             label=f"reduce-scatter of {self.name}",
         )
 
@@ -549,7 +556,7 @@ class FlatBucket:
         then the replicated scalars' gradients, then one flag per parameter: one in-place
         all-reduce sums it all, and each rank reads its own rows."""
         world_numel = self.comm.world * self.shard_numel
-        with record_function("fsdp2::reduce_prepare"):
+        with traced("fsdp2::reduce_prepare"):
             for p, rows in zip(self.sharded_params, self._copy_out):
                 if not self._deposited[p.rs_index]:
                     rows.zero_()
@@ -588,16 +595,17 @@ class FlatBucket:
     def _stage_from_pool(self, result: torch.Tensor) -> tuple:
         """The pooled reduce completed: copy out this rank's row, then release the buffer."""
         layout = self.reduce_layout()
-        with record_function("fsdp2::grad_copy"):
+        with traced("fsdp2::grad_copy"):
             grads = result[: layout.grad_numel].to(self.dtype, copy=True)
             flag_end = layout.grad_numel + len(layout.params) + len(layout.scalars)
             # Kept as a tensor: reading it (a device sync on GPUs) waits for commit_grads.
             used = result[layout.grad_numel : flag_end].clone()
-            row0 = self._reduce_input2d()[0]  # every rank holds every row after an all-reduce
-            scalar_vals = row0[flag_end : layout.numel].to(self.dtype, copy=True)
+            # Replicated scalars: bitwise equal on every rank in row 0 after an all-reduce,
+            # and in every rank's own row after an all-to-all (summed alike everywhere).
+            row = result if self.comm.on_gloo else self._reduce_input2d()[0]
+            scalar_vals = row[flag_end : layout.numel].to(self.dtype, copy=True)
             staged = _staged(layout, grads, used, scalar_vals, self._divide_factor)
-        self.comm.pool.release(self._reduce_input)  # type: ignore[arg-type]
-        self._reduce_input = None
+        self._release_reduce_buffers()
         return staged
 
     def _stage_from_storage(self, layout: ReduceLayout, divide_factor: float) -> tuple:
@@ -607,7 +615,7 @@ class FlatBucket:
         (an unshard first waits for it: ``ParamGroup.unshard``)."""
         world_numel = self.comm.world * self.shard_numel
         flags_at = world_numel + len(self.scalars)
-        with record_function("fsdp2::grad_copy"):
+        with traced("fsdp2::grad_copy"):
             grads = torch.cat(self._own_rows) if self._own_rows else self._unsharded_write[:0].clone()
             n_flags = len(layout.params) + len(layout.scalars)
             used = self._unsharded_write[flags_at : flags_at + n_flags].clone()
@@ -616,6 +624,13 @@ class FlatBucket:
         self.unsharded_flat.untyped_storage().resize_(0)
         self._reduce_in_storage = False  # only now: an unshard may take the storage again
         return staged
+
+    def _release_reduce_buffers(self) -> None:
+        """The reduce input and the all-to-all's receive buffer go back to the pool."""
+        for buf in (self._reduce_input, self._reduce_scratch):
+            if buf is not None:
+                self.comm.pool.release(buf)
+        self._reduce_input = self._reduce_scratch = None
 
     def commit_grads(self) -> None:
         """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
@@ -675,9 +690,7 @@ class FlatBucket:
                 if self._reduce_in_storage:  # the sum is over (or failed): the storage is ours
                     self._reduce_in_storage = False
                     self._free_unsharded()
-        if self._reduce_input is not None:
-            self.comm.pool.release(self._reduce_input)
-            self._reduce_input = None
+        self._release_reduce_buffers()
         self._deposited = [False] * len(self._deposited)
         if self._gather_issue is not None:
             try:

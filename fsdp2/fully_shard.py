@@ -455,8 +455,8 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 def _comm_context(mesh: DeviceMesh, device: torch.device) -> CommContext:
     group = mesh.get_group()
     pool = _POOLS.setdefault(device, BufferPool())
-    by_all_reduce = dist.get_backend(group) == "gloo"
-    return CommContext(mesh, group, mesh.get_local_rank(), mesh.size(), pool, by_all_reduce)
+    on_gloo = dist.get_backend(group) == "gloo"
+    return CommContext(mesh, group, mesh.get_local_rank(), mesh.size(), pool, on_gloo)
 
 
 def _partial_group(mesh: DeviceMesh, factor: int) -> tuple[dist.ProcessGroup, int]:

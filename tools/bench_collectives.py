@@ -7,8 +7,9 @@ before each) the all-gather as ``all_gather_single`` and as the list ``all_gathe
 each followed by the copy-out into a parameter-major buffer, and as fsdp2's in-place
 gather (fill with -0.0, copy this rank's rows in, ``all_reduce``: no copy-out, and none
 of the output-sized temporary gloo's all-gather allocates); and the gradient reduction
-as ``reduce_scatter_single`` and as an in-place ``all_reduce`` of the same buffer (what
-fsdp2 uses on gloo: ``CommContext.reduce_by_all_reduce``).
+as ``reduce_scatter_single``, as an in-place ``all_reduce`` of the same buffer (what
+fsdp2 uses for buckets reduced in place), and as ``all_to_all_single`` followed by a
+local sum of the received rows (what fsdp2 uses for pooled reduces on gloo).
 """
 
 from __future__ import annotations
@@ -45,11 +46,18 @@ def _worker(rank: int, world: int, repeats: int) -> dict:
     for n in SIZES:
         shard, gathered, full = torch.ones(n), torch.empty(world * n), torch.ones(world * n)
         unsharded = torch.empty(world * n)
+        received = torch.empty(world, n)
         pieces = list(gathered.chunk(world))
 
         def gather_then_copy(gather) -> None:  # noqa: ANN001
             gather()
             unsharded.copy_(gathered)
+
+        def all_to_all_then_sum() -> None:
+            dist.all_to_all_single(received, full.view(world, n))
+            torch.add(received[0], received[1], out=shard)
+            for row in received[2:]:
+                shard.add_(row)
 
         def gather_in_place() -> None:
             unsharded.fill_(-0.0)
@@ -64,6 +72,7 @@ def _worker(rank: int, world: int, repeats: int) -> dict:
             "in-place all_reduce gather": _time(gather_in_place, repeats),
             "reduce_scatter_single": _time(lambda: dist.reduce_scatter_single(shard, full), repeats),
             "all_reduce (W*n)": _time(lambda: dist.all_reduce(full), repeats),
+            "all_to_all+sum": _time(all_to_all_then_sum, repeats),
         }
     return out
 
@@ -79,6 +88,7 @@ def main() -> None:
         cells = "  ".join(f"{k} {v:7.3f}" for k, v in row.items())
         print(f"  {n:>9,d}: {cells}")
         print(f"             reduce_scatter / all_reduce: {row['reduce_scatter_single'] / row['all_reduce (W*n)']:.2f}")
+        print(f"             all_to_all+sum / all_reduce: {row['all_to_all+sum'] / row['all_reduce (W*n)']:.2f}")
         ratio = row["in-place all_reduce gather"] / row["all_gather_single+copy"]
         print(f"             in-place gather / all_gather_single+copy: {ratio:.2f}")
 
