@@ -12,7 +12,6 @@ or silently mixing up data (e.g. when a data-dependent branch runs different gro
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from collections.abc import Callable
@@ -37,15 +36,16 @@ def debug_enabled() -> bool:
 
 
 class Pending(NamedTuple):
-    """An issued collective: ``work`` (a ``dist.Work``, or a future that completes after
-    some follow-up work) is None when it completed synchronously.
+    """An issued collective: ``work`` is None when it completed synchronously.
 
-    ``result`` may be read only after ``wait_pending`` returned.
+    ``result`` may be read only after ``wait_pending`` returned. ``rows``: for a reduce
+    run as an all-to-all, the received rows that ``wait_pending`` sums into ``result``.
     """
 
-    work: dist.Work | torch.futures.Future | None
+    work: dist.Work | None
     result: torch.Tensor
     label: str
+    rows: torch.Tensor | None = None
 
 
 # In-place all-gathers can be deferred behind a reduce still in flight and then issued
@@ -107,6 +107,8 @@ def wait_pending(pending: Pending) -> torch.Tensor:
     """Block until the collective finished; then its result may be read."""
     if pending.work is not None:
         _wait(pending.work.wait, pending.label)
+    if pending.rows is not None:
+        _sum_rows(pending.rows, pending.result)
     return pending.result
 
 
@@ -123,8 +125,7 @@ def then(pending: Pending, fn: Callable[[], Any]) -> torch.futures.Future:
         done.value()  # re-raises if the collective failed; fn then does not run
         return fn()
 
-    work = pending.work
-    return (work if isinstance(work, torch.futures.Future) else work.get_future()).then(run)
+    return pending.work.get_future().then(run)
 
 
 def wait_future(future: torch.futures.Future, label: str) -> Any:
@@ -209,8 +210,9 @@ def reduce_scatter_flat(
     * ``"all_reduce"``: in place; every rank holds every row afterwards (NCCL, when
       replicated values must be bitwise equal on every rank: the caller reads row 0).
     * ``"all_to_all"`` (gloo): row ``r`` goes to rank ``r`` into ``scratch`` (``world x
-      n``), which this rank then sums row by row, in rank order, into its own row of
-      ``input2d``, on the backend's thread as soon as the exchange completes. Same
+      n``), which ``wait_pending`` sums row by row, in rank order, into this rank's row
+      of ``input2d`` (on the caller's thread: a Python callback on gloo's thread would
+      contend for the GIL, which made the 32-block benchmark ~4% slower). Same
       bytes on the wire as a reduce-scatter; on gloo 2-4x faster than its all-reduce or
       reduce-scatter for 25k-1.5M elements per rank, at 2 and 4 ranks, with less CPU
       (tools/bench_collectives.py). Every rank adds the same values in the same order,
@@ -225,8 +227,7 @@ def reduce_scatter_flat(
         if method == "all_to_all":
             assert scratch is not None, "fsdp2 internal error: all-to-all reduce without scratch"
             work = dist.all_to_all_single(scratch, input2d, group=group, async_op=True)
-            summed = then(Pending(work, scratch, label), functools.partial(_sum_rows, scratch, input2d[rank]))
-            return Pending(summed, input2d[rank], label)
+            return Pending(work, input2d[rank], label, rows=scratch)
         if method == "all_reduce":
             work = dist.all_reduce(input2d, group=group, async_op=True)
             return Pending(work, input2d[rank], label)
