@@ -317,7 +317,7 @@ class FlatBucket:
         output = self._gather_buf[: comm.world * self.shard_numel]
         self._gather_input = source
         self._pending_gather = all_gather_flat(
-            source, output, group, async_op=True, label=f"all-gather of {self.name}"
+            source, output, group, label=f"all-gather of {self.name}"
         )
 
     def _start_gather_in_place(self, shard: torch.Tensor) -> None:
@@ -334,7 +334,7 @@ class FlatBucket:
             sizes = [p.shard_numel for p in self.sharded_params]
             torch.split_with_sizes_copy(shard, sizes, out=self._own_rows)
         self._pending_gather = all_gather_in_place(
-            region, self._gather_group, async_op=True, label=f"all-gather of {self.name}"
+            region, self._gather_group, label=f"all-gather of {self.name}"
         )
 
     def finish_all_gather(self) -> None:
@@ -569,7 +569,6 @@ class FlatBucket:
         self._pending_reduce = all_reduce_in_place(
             self._unsharded_write[: flags_at + len(self._deposited)],
             self.comm.group,
-            async_op=True,
             label=f"reduce-scatter of {self.name}",
         )
         # Take this rank's rows out and free the storage the moment the sum is done,
