@@ -39,6 +39,7 @@ and, usually, no reduce input:
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import sys
 from typing import NamedTuple
@@ -148,6 +149,10 @@ class FlatBucket:
         # Its staged gradients, taken out as soon as the reduce completes (``then``).
         self._staged: torch.futures.Future | None = None
         self._divide_factor = 1.0
+        # (flat tensor, the gradient DTensors over it in ``params`` order) from the last
+        # commit that gave every parameter a fresh gradient laid out like the shards: the
+        # optimizer can step on it while each ``.grad`` is still one of those (``flat_grad``).
+        self._committed: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self._allocate_sharded(originals, device)
 
     # ------------------------------------------------------------------ storage
@@ -634,6 +639,11 @@ class FlatBucket:
     def commit_grads(self) -> None:
         """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
         that completed, so a backward that raised leaves ``.grad`` as it was."""
+        flat = None
+        if len(self._ready_grads) == 1 and self._all_grads_none():
+            layout, grads = self._ready_grads[0][:2]
+            if len(layout.params) == len(self.params):  # every parameter, at its shard offset
+                flat = grads
         for layout, grads, used_flags, scalar_vals in self._ready_grads:
             used = used_flags.tolist()  # flags follow layout.params, then layout.scalars
             for flag, p, off in zip(used, layout.params, layout.offsets):
@@ -644,6 +654,24 @@ class FlatBucket:
                 if flag > 0:
                     _accumulate_grad(p, value.view(()), self.comm.mesh)
         self._ready_grads.clear()
+        if flat is not None:
+            self._remember_flat_grad(flat)
+
+    def _all_grads_none(self) -> bool:
+        return all(p.sharded.grad is None for p in self.params)  # type: ignore[union-attr]
+
+    def _remember_flat_grad(self, flat: torch.Tensor) -> None:
+        grads = [p.sharded.grad for p in self.params]  # type: ignore[union-attr]
+        self._committed = (flat, grads) if all(g is not None for g in grads) else None  # type: ignore[misc]
+
+    def flat_grad(self) -> torch.Tensor | None:
+        """The flat gradient of the last fresh commit while every parameter's ``.grad`` is
+        still the DTensor made over it (accumulating into them keeps it valid)."""
+        committed = self._committed
+        if committed is None:
+            return None
+        grads = [p.sharded.grad for p in self.params]  # type: ignore[union-attr]
+        return committed[0] if all(map(operator.is_, grads, committed[1])) else None
 
     def commit_direct(self, divide_factor: float) -> None:
         """Direct mode: move the leaves' accumulated gradients into ``.grad``. When every
@@ -654,7 +682,7 @@ class FlatBucket:
             len(grads) > 1
             and not self.scalars
             and all(g is not None for g in grads)
-            and all(p.sharded.grad is None for p in self.params)  # type: ignore[union-attr]
+            and self._all_grads_none()
         ):
             flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
             if divide_factor != 1:
@@ -663,6 +691,7 @@ class FlatBucket:
                 leaf.grad = None
                 local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
                 p.sharded.grad = p.grad_dtensor(local, self.comm.mesh)  # type: ignore[union-attr]
+            self._remember_flat_grad(flat)
             return
         for p, leaf in zip(self.params, self.direct_leaves):
             grad = leaf.grad

@@ -29,6 +29,14 @@ step creates it through the DTensor path, so its types and shapes are the regula
 A parameter group holding a DTensor fsdp2 does not manage, or a gradient or state entry
 whose placement differs from its parameter's, steps on DTensors as before.
 
+Planning costs Python work per parameter and state entry every step (about 5% of a
+one-rank step of a small model). A parameter group whose every managed parameter stepped
+flat keeps its plan for the next step, reused as long as its parameter list, each
+parameter's local shard, state dict and state entries are the same objects, the step
+counts were not written since (version counters), and every bucket's gradients are
+still the flat ones its last backward committed (``FlatBucket.flat_grad``); anything
+else plans afresh.
+
 If the step raises midway, the post-step hook does not run: the swap is undone at the
 next ``step()``, ``state_dict()``, ``load_state_dict()`` or root forward, including a
 ``zero_grad(set_to_none=True)`` that ran on the aliases in between.
@@ -38,6 +46,7 @@ next ``step()``, ``state_dict()``, ``load_state_dict()`` or root forward, includ
 
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 from collections.abc import Callable
@@ -66,9 +75,11 @@ ELEMENTWISE: frozenset[type] = frozenset(
         torch.optim.RMSprop,
     }
 )
-# Steps taken on local shards, and buckets stepped as one flat tensor: for tests and debugging.
+# Steps taken on local shards, buckets stepped as one flat tensor, and parameter groups
+# that stepped on last step's plan: for tests and debugging.
 local_steps = 0
 flat_buckets = 0
+reused_plans = 0
 
 
 class _Swapped:
@@ -98,7 +109,7 @@ class _Swapped:
 class _FlatSwapped:
     """A whole bucket stepped as one flat alias of its sharded flat buffer."""
 
-    __slots__ = ("alias", "flats", "fps", "grad", "local_state", "params", "states")
+    __slots__ = ("alias", "bucket", "flats", "fps", "grad", "local_state", "params", "snapshot", "states")
 
     def __init__(
         self,
@@ -109,6 +120,8 @@ class _FlatSwapped:
         flats: dict[Any, torch.Tensor],
     ) -> None:
         self.alias = alias
+        self.bucket = entries[0].fp.bucket
+        self.snapshot: tuple[list, list] = ([], [])  # taken after the step (``_snapshot``)
         self.grad = grad
         self.params = [s.param for s in entries]
         self.fps = [s.fp for s in entries]
@@ -120,13 +133,14 @@ class _FlatSwapped:
 class _GroupSwap:
     """One parameter group's list, replaced for the step."""
 
-    __slots__ = ("entries", "flats", "group", "original", "swapped_list")
+    __slots__ = ("entries", "flats", "group", "original", "params", "swapped_list")
 
     def __init__(
         self, group: dict, swapped_list: list, entries: list[_Swapped], flats: list[_FlatSwapped]
     ) -> None:
         self.group = group
         self.original = group["params"]
+        self.params = tuple(self.original)  # its contents when planned
         self.swapped_list = swapped_list
         self.entries = entries
         self.flats = flats
@@ -135,19 +149,26 @@ class _GroupSwap:
 # id(optimizer) -> (weak ref to it, what its unfinished fast-path step swapped)
 _ACTIVE: dict[int, tuple[weakref.ref, list[_GroupSwap]]] = {}
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # optimizers with our state_dict repair hooks
+# optimizer -> {id(param group): its plan from the last step, all flat} (module doc)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, managed: Callable) -> None:
     """Swap managed parameters for their local shards, when safe (see the module doc)."""
-    global local_steps, flat_buckets
+    global local_steps, flat_buckets, reused_plans
     if _ACTIVE:
         repair(optimizer)
     if not _eligible(optimizer, args, kwargs):
         return
     swaps: list[_GroupSwap] = []
     seen: set[int] = set()
+    plans = _PLANS.get(optimizer, {})
     for group in optimizer.param_groups:
-        planned = _plan_group(optimizer, group, managed, seen)
+        planned = _reuse_plan(optimizer, group, plans.get(id(group)), seen)
+        if planned is None:
+            planned = _plan_group(optimizer, group, managed, seen)
+        else:
+            reused_plans += 1
         if planned is not None:
             swaps.append(planned)
     if not swaps:
@@ -155,7 +176,7 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, manage
     if optimizer not in _HOOKED:
         _HOOKED.add(optimizer)
         optimizer.register_state_dict_pre_hook(repair)
-        optimizer.register_load_state_dict_pre_hook(lambda opt, sd: repair(opt))
+        optimizer.register_load_state_dict_pre_hook(_before_load)
     state = optimizer.state
     _ACTIVE[id(optimizer)] = (weakref.ref(optimizer), swaps)  # first: repairable from here on
     for swap in swaps:
@@ -173,14 +194,27 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, manage
 
 def post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     if _ACTIVE:
-        repair(optimizer)
+        swaps = _undo(optimizer)
+        if swaps is not None:
+            _remember_plans(optimizer, swaps)
 
 
 def repair(optimizer: torch.optim.Optimizer) -> None:
     """Put back what a fast-path step of ``optimizer`` swapped, if anything."""
+    _undo(optimizer)
+
+
+def _undo(optimizer: torch.optim.Optimizer) -> list[_GroupSwap] | None:
     entry = _ACTIVE.pop(id(optimizer), None)
     if entry is not None and entry[0]() is optimizer:
         _restore(optimizer, entry[1])
+        return entry[1]
+    return None
+
+
+def _before_load(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    repair(optimizer)
+    _PLANS.pop(optimizer, None)  # the load replaces groups and state: plan afresh
 
 
 def repair_all() -> None:
@@ -214,6 +248,69 @@ def register_post_hook() -> Any:
     handle = _optimizer.register_optimizer_step_post_hook(post_step)
     _OUR_POST_HOOKS.add(handle.id)
     return handle
+
+
+# ------------------------------------------------------------------ plan reuse
+def _remember_plans(optimizer: torch.optim.Optimizer, swaps: list[_GroupSwap]) -> None:
+    """After a completed step: keep the plans of groups that stepped entirely flat."""
+    state = optimizer.state
+    plans = _PLANS.setdefault(optimizer, {})
+    for swap in swaps:
+        if swap.entries:
+            plans.pop(id(swap.group), None)
+            continue
+        for f in swap.flats:
+            f.snapshot = _snapshot(state, f)
+        plans[id(swap.group)] = swap
+
+
+def _reuse_plan(
+    optimizer: torch.optim.Optimizer, group: dict, cached: _GroupSwap | None, seen: set[int]
+) -> _GroupSwap | None:
+    """``cached`` again, with this step's gradients, if nothing it relied on changed."""
+    if cached is None or cached.group is not group:
+        return None
+    params = group["params"]
+    if (
+        params is not cached.original
+        or len(params) != len(cached.params)
+        or not all(map(operator.is_, params, cached.params))
+        or not seen.isdisjoint(map(id, params))
+    ):
+        return None
+    grads = []
+    for f in cached.flats:
+        grad = f.bucket.flat_grad()
+        if grad is None or not _same_snapshot(_snapshot(optimizer.state, f), f.snapshot):
+            return None
+        grads.append(grad)
+    for f, grad in zip(cached.flats, grads):
+        f.grad = grad
+    seen.update(map(id, params))
+    return cached
+
+
+def _snapshot(state: dict, f: _FlatSwapped) -> tuple[list, list]:
+    """What a flat plan relies on: (objects compared by identity, values compared by ==)."""
+    objects: list = [f.bucket.sharded_flat]
+    values: list = []
+    for p in f.params:
+        st = state.get(p)
+        objects.append(p._local_tensor)
+        objects.append(st)
+        for k, v in st.items() if st is not None else ():
+            values.append(k)
+            if isinstance(v, torch.Tensor):
+                objects.append(v)
+                if not isinstance(v, DTensor):
+                    values.append(v._version)  # a step count written since: plan afresh
+            else:
+                values.append(v)
+    return objects, values
+
+
+def _same_snapshot(a: tuple[list, list], b: tuple[list, list]) -> bool:
+    return len(a[0]) == len(b[0]) and all(map(operator.is_, a[0], b[0])) and a[1] == b[1]
 
 
 # ------------------------------------------------------------------------ planning

@@ -406,3 +406,39 @@ def test_moving_state_into_flat_buffers_frees_the_old_tensors_at_once() -> None:
     step; while fsdp2 held them, every one of them stayed.)"""
     alive = run_ranks(_worker_rehome, 1)[0]
     assert len(alive) == 8 and sum(alive) <= 1, alive  # 4 buckets x (exp_avg, exp_avg_sq)
+
+
+def _reuse_worker(rank: int, world: int) -> dict[str, Any]:
+    model, ref = _build(rank, world, scalar_gate=False)
+    make = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    reused = []
+    for step in range(7):
+        _train_step(model, ref, step, rank, world)
+        if step == 3:  # a gradient replaced by another tensor (not the flat one committed)
+            for p in (model.blocks[1].fc1.weight, ref.blocks[1].fc1.weight):
+                p.grad = p.grad * 0.5
+        if step == 6:  # one step count written: its bucket's parameters no longer agree
+            for o, p in ((opt, model.blocks[0].fc1.weight), (ref_opt, ref.blocks[0].fc1.weight)):
+                o.state[p]["step"].fill_(7.0)
+        before = _optim.reused_plans
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        reused.append(_optim.reused_plans - before)
+    got, want = full_params(model), full_params(ref)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    _check_state(model, opt, ref, ref_opt)
+    return {"reused": reused}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_kept_plan_is_dropped_when_what_it_relied_on_changes(world: int) -> None:
+    """A step that went all flat keeps its plan; the next step reuses it, unless a
+    gradient or a step count changed behind it (results match local training either way)."""
+    # 0: creates the state; 1: plans, kept; 2: reused; 3: a new gradient: plans afresh,
+    # per parameter for that bucket, not kept; 4: plans, kept; 5: reused; 6: a step count
+    # written: plans afresh.
+    for out in run_ranks(_reuse_worker, world):
+        assert out["reused"] == [0, 0, 1, 0, 0, 1, 0], out
