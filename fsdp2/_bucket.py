@@ -39,9 +39,9 @@ and, usually, no reduce input:
 from __future__ import annotations
 
 import functools
-import operator
 import os
 import sys
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -149,10 +149,11 @@ class FlatBucket:
         # Its staged gradients, taken out as soon as the reduce completes (``then``).
         self._staged: torch.futures.Future | None = None
         self._divide_factor = 1.0
-        # (flat tensor, the gradient DTensors over it in ``params`` order) from the last
-        # commit that gave every parameter a fresh gradient laid out like the shards: the
-        # optimizer can step on it while each ``.grad`` is still one of those (``flat_grad``).
-        self._committed: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        # Weak references to (flat tensor, the gradient DTensors over it in ``params``
+        # order) from the last commit that gave every parameter a fresh gradient laid out
+        # like the shards: the optimizer can step on it while each ``.grad`` is still one
+        # of those (``flat_grad``). Weak: ``zero_grad(set_to_none=True)`` frees them.
+        self._committed: tuple[weakref.ref, list[weakref.ref]] | None = None
         self._allocate_sharded(originals, device)
 
     # ------------------------------------------------------------------ storage
@@ -662,7 +663,9 @@ class FlatBucket:
 
     def _remember_flat_grad(self, flat: torch.Tensor) -> None:
         grads = [p.sharded.grad for p in self.params]  # type: ignore[union-attr]
-        self._committed = (flat, grads) if all(g is not None for g in grads) else None  # type: ignore[misc]
+        self._committed = None
+        if all(g is not None for g in grads):
+            self._committed = (weakref.ref(flat), [weakref.ref(g) for g in grads])  # type: ignore[arg-type]
 
     def flat_grad(self) -> torch.Tensor | None:
         """The flat gradient of the last fresh commit while every parameter's ``.grad`` is
@@ -670,8 +673,10 @@ class FlatBucket:
         committed = self._committed
         if committed is None:
             return None
-        grads = [p.sharded.grad for p in self.params]  # type: ignore[union-attr]
-        return committed[0] if all(map(operator.is_, grads, committed[1])) else None
+        for p, ref in zip(self.params, committed[1]):
+            if p.sharded.grad is not ref() or ref() is None:  # type: ignore[union-attr]
+                return None
+        return committed[0]()
 
     def commit_direct(self, divide_factor: float) -> None:
         """Direct mode: move the leaves' accumulated gradients into ``.grad``. When every

@@ -261,6 +261,7 @@ def _remember_plans(optimizer: torch.optim.Optimizer, swaps: list[_GroupSwap]) -
             continue
         for f in swap.flats:
             f.snapshot = _snapshot(state, f)
+            f.grad = None  # a kept plan must not keep this step's gradients alive
         plans[id(swap.group)] = swap
 
 

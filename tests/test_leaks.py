@@ -4,7 +4,9 @@ sharded models frees everything, and two identical runs are bitwise equal."""
 from __future__ import annotations
 
 import gc
+import weakref
 
+import pytest
 import torch
 
 import fsdp2
@@ -85,3 +87,34 @@ def _deterministic(rank: int, world: int) -> bool:
 
 def test_identical_runs_are_bitwise_equal() -> None:
     assert run_ranks(_deterministic, 3) == [True, True, True]
+
+
+def _grads_freed(rank: int, world: int) -> list[int]:
+    torch.manual_seed(0)
+    model = ToyModel(scalar_gate=False)  # every bucket steps flat: the optimizer keeps its plan
+    for block in model.blocks:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    alive = []
+    for step in range(4):
+        ids, targets = batch(step, 2 * world)
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+        grads = [p.grad for p in model.parameters()]
+        # The DTensors, their local views and the flat tensor those views share.
+        tensors = [t for g in grads for t in (g, g._local_tensor, g._local_tensor._base) if t is not None]
+        refs = [weakref.ref(t) for t in tensors]
+        del grads, tensors
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))
+    return alive
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_grad_frees_the_gradients(world: int) -> None:
+    """Nothing of fsdp2's (the optimizer's kept plan, the buckets' record of the flat
+    gradients they committed) holds gradients past ``zero_grad(set_to_none=True)``."""
+    for alive in run_ranks(_grads_freed, world):
+        assert alive == [0, 0, 0, 0], alive
