@@ -161,11 +161,25 @@ class ParamGroup:
     def _reshard_after_forward(self) -> None:
         value = self.reshard_after_forward
         if value is True:
-            self.reshard()
+            if not self.is_kept_for_backward():
+                self.reshard()
         elif value is not False and self.shard_state is ShardState.UNSHARDED:
             for b in self.buckets:
                 b.reshard_partial(value, self.partial_index)
             self.shard_state = ShardState.PARTIAL
+
+    def is_kept_for_backward(self) -> bool:
+        """With the default ``reshard_after_forward=None``, the last group to run forward
+        (not the root) keeps its parameters: its backward comes first, right after the
+        loss, and would gather them straight back (torchtitan does the same by hand)."""
+        ctx = self.ctx
+        return (
+            self.reshard_after_forward_arg is None
+            and ctx is not None
+            and ctx.order_frozen
+            and self is not ctx.root
+            and ctx.forward_order[-1] is self
+        )
 
     @property
     def direct(self) -> bool:

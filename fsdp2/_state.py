@@ -122,6 +122,7 @@ class RootContext:
                 and g.training_state is TrainingState.IDLE
                 and g.reshard_after_forward is True
                 and g.shard_state is not ShardState.SHARDED
+                and not g.is_kept_for_backward()
             ):
                 g.reshard()
 

@@ -73,7 +73,8 @@ def fully_shard(
             (re-gathered in backward), ``False`` keeps them, an int ``N`` keeps
             ``1/N`` of them so the backward all-gather runs over ``N`` ranks (a
             divisor of the mesh size other than 1 and the size). ``None``: ``True``,
-            except ``False`` for the root module.
+            except ``False`` for the root module and for the last module to run
+            forward, whose backward comes first.
         shard_placement_fn: may return ``None`` or ``Shard(0)`` per parameter.
         mp_policy: mixed precision, see ``MixedPrecisionPolicy``.
         offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()``.
