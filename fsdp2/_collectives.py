@@ -56,16 +56,28 @@ class Pending(NamedTuple):
 # gather waits for the previous deferred one, and one issued directly waits for all.
 _DEFERRED: list[torch.futures.Future] = []
 _ISSUER = threading.local()
-_GATHER_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# key -> (the default group it was made under, the value): process groups fsdp2 creates.
+_GROUPS: dict[Any, tuple[Any, Any]] = {}
+
+
+def cached_group(key: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` once per ``key`` and default process group: after
+    ``destroy_process_group()`` and a new ``init_process_group()`` in the same process,
+    groups made under the old one are gone, so they are made anew."""
+    world = dist.group.WORLD
+    entry = _GROUPS.get(key)
+    if entry is None or entry[0] is not world:
+        entry = _GROUPS[key] = (world, make())
+    return entry[1]
 
 
 def gather_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """The gloo group over ``group``'s ranks that in-place all-gathers use (created once,
     by the member ranks only: each builds its buckets in the same order)."""
     ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _GATHER_GROUPS:
-        _GATHER_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    return _GATHER_GROUPS[ranks]
+    return cached_group(
+        ("gather", ranks), lambda: dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    )
 
 
 def issue_after(future: torch.futures.Future, issue: Callable[[], Any]) -> torch.futures.Future:

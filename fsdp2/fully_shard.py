@@ -23,6 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _classes, _optim
 from ._bucket import CommContext
 from ._buffers import BufferPool
+from ._collectives import cached_group
 from ._group import ParamGroup, ShardState
 from ._param import FSDPParam
 from ._state import FSDPState
@@ -37,8 +38,6 @@ _MANAGED: dict[int, weakref.ref[FSDPParam]] = {}
 # an optimizer still holding one was created too early (checked at optimizer.step()).
 _REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 _OPTIMIZER_HOOK: list[Any] = []
-# Sub-groups for int ``reshard_after_forward``: (mesh ranks, factor) -> (group, index).
-_PARTIAL_GROUPS: dict[tuple[tuple[int, ...], int], tuple[dist.ProcessGroup, int]] = {}
 _POOLS: dict[torch.device, BufferPool] = {}
 
 
@@ -461,13 +460,16 @@ def _comm_context(mesh: DeviceMesh, device: torch.device) -> CommContext:
 
 
 def _partial_group(mesh: DeviceMesh, factor: int) -> tuple[dist.ProcessGroup, int]:
+    """The sub-group of ``factor`` ranks this rank gathers from after a partial reshard,
+    and this rank's position in it."""
     ranks = tuple(mesh.mesh.flatten().tolist())
-    key = (ranks, factor)
-    if key not in _PARTIAL_GROUPS:
+
+    def make() -> tuple[dist.ProcessGroup, int]:
         blocks = [list(ranks[i : i + factor]) for i in range(0, len(ranks), factor)]
         mine, _ = dist.new_subgroups_by_enumeration(blocks, backend=dist.get_backend(mesh.get_group()))
-        _PARTIAL_GROUPS[key] = (mine, mesh.get_local_rank() % factor)  # position in its block
-    return _PARTIAL_GROUPS[key]
+        return mine, mesh.get_local_rank() % factor  # position in its block
+
+    return cached_group(("partial", ranks, factor), make)
 
 
 def _groups_under(module: nn.Module) -> list[ParamGroup]:

@@ -320,3 +320,49 @@ def test_one_rank_computes_on_leaf_aliases_of_the_shards() -> None:
     assert direct["leaf_params"] and direct["our_nodes"] == 0 and direct["worst"] < 1e-12, direct
     cast = run_ranks(_one_rank_worker, 1, torch.float32)[0]
     assert not cast["leaf_params"] and cast["our_nodes"] == 4 and cast["worst"] < 1e-5, cast
+
+
+def _reinit_worker(rank: int, world: int, port: int) -> list:
+    import os
+
+    import torch.distributed as dist
+
+    from _models import force_in_place
+
+    force_in_place()  # in-place buckets: fsdp2 makes a gloo group for their gathers
+    losses = []
+    for attempt in range(2):
+        if attempt:  # a fresh default group in the same processes (e.g. an in-process restart)
+            dist.destroy_process_group()
+            os.environ["MASTER_PORT"] = str(port)
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        torch.manual_seed(0)
+        model = ToyModel()
+        for block in model.blocks:
+            fsdp2.fully_shard(block, reshard_after_forward=2)  # makes sub-groups of 2 ranks
+        fsdp2.fully_shard(model)
+        ids, targets = batch(0, 2 * world)
+        loss = loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank])
+        loss.backward()
+        losses.append(loss.item())
+        group = model.blocks[0]._fsdp2_state.group
+        made = [group.partial_group] + [b._gather_group for b in group.buckets]
+        known = []
+        for pg in made:  # torch.distributed knows (registered) every group fsdp2 uses
+            try:
+                known.append(len(dist.get_process_group_ranks(pg)))
+            except (ValueError, RuntimeError, KeyError):
+                known.append(0)
+        losses.append(known)
+    return losses
+
+
+def test_groups_fsdp2_made_are_made_anew_after_reinit() -> None:
+    """Process groups fsdp2 creates (partial-reshard sub-groups, in-place gather groups)
+    belong to one default group: after destroy and init, new ones are made. (A stale
+    one still moved data on gloo here, but torch.distributed no longer knew it.)"""
+    from _dist import free_port
+
+    for out in run_ranks(_reinit_worker, 4, free_port()):
+        assert out[0] == out[2], out  # the same loss
+        assert out[1] == out[3] == [2, 4], out  # a sub-group of 2, the gather group of 4
