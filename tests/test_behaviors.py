@@ -366,3 +366,39 @@ def test_groups_fsdp2_made_are_made_anew_after_reinit() -> None:
     for out in run_ranks(_reinit_worker, 4, free_port()):
         assert out[0] == out[2], out  # the same loss
         assert out[1] == out[3] == [2, 4], out  # a sub-group of 2, the gather group of 4
+
+
+class _TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+def _unused_branch_worker(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    ref = _TwoBranches().double()
+    model = copy.deepcopy(ref)
+    fsdp2.fully_shard(model.a)
+    fsdp2.fully_shard(model.b)
+    fsdp2.fully_shard(model)
+    x = torch.randn(2 * world * 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for mb, xs in enumerate(x.chunk(2)):
+        model.set_is_last_backward(mb == 1)  # the first micro-batch's reduces stay in flight
+        ya, yb = model(xs.chunk(world)[rank])
+        # The second micro-batch ignores b's output (kept alive): b's backward never runs,
+        # and its reduce is issued at the end of backward, behind the one in flight.
+        ((ya + yb).sum() if mb == 0 else ya.sum()).backward()
+        ra, rb = ref(xs)
+        ((ra + rb).sum() if mb == 0 else ra.sum()).backward()
+    return max(
+        (p.grad.full_tensor() * world - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_reduce_at_the_end_of_backward_waits_for_the_one_in_flight(world: int) -> None:
+    assert max(run_ranks(_unused_branch_worker, world)) < 1e-12
