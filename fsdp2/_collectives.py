@@ -243,8 +243,8 @@ def reduce_scatter_flat(
       n``), which ``wait_pending`` sums row by row, in rank order, into this rank's row
       of ``input2d`` (on the caller's thread: a Python callback on gloo's thread would
       contend for the GIL, which made the 32-block benchmark ~4% slower). Same
-      bytes on the wire as a reduce-scatter; on gloo 2-4x faster than its all-reduce or
-      reduce-scatter for 25k-1.5M elements per rank, at 2 and 4 ranks, with less CPU
+      bytes on the wire as a reduce-scatter; on gloo, for 25k-1.5M elements per rank,
+      1.3-2x faster than its all-reduce at 2 ranks and 2-4x at 4, with less CPU
       (tools/bench_collectives.py). Every rank adds the same values in the same order,
       so columns every rank wrote alike (flags, replicated scalars) come out bitwise
       equal everywhere.
