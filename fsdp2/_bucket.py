@@ -154,6 +154,8 @@ class FlatBucket:
         # like the shards: the optimizer can step on it while each ``.grad`` is still one
         # of those (``flat_grad``). Weak: ``zero_grad(set_to_none=True)`` frees them.
         self._committed: tuple[weakref.ref, list[weakref.ref]] | None = None
+        # ``_shards_version()`` when the gathered copy was taken (``is_stale``).
+        self._gathered_version = -1
         self._allocate_sharded(originals, device)
 
     # ------------------------------------------------------------------ storage
@@ -309,6 +311,7 @@ class FlatBucket:
             source, group = self._partial, partial_group
         else:
             source, group = self.sharded_flat[: self.shard_numel], comm.group
+            self._gathered_version = self._shards_version()
             if self.gather_in_place:
                 if after is not None and not after.done() and not debug_enabled():
                     issue = functools.partial(self._start_gather_in_place, source)
@@ -372,6 +375,20 @@ class FlatBucket:
             start = self.comm.world * self.shard_numel
             tail = self._unsharded_write[start : start + len(self.scalars)]
             tail.copy_(self.sharded_flat[self.shard_numel :])
+
+    def is_stale(self) -> bool:
+        """The gathered (or partially kept) parameters predate a write to the shards."""
+        return not self.gather_is_identity and self._shards_version() != self._gathered_version
+
+    def _shards_version(self) -> int:
+        """Grows with every write to the shards: through the flat buffer (a flat optimizer
+        step), a local shard (``to_local()``, a per-parameter step) or the DTensor itself
+        (an in-place DTensor op, ``load_state_dict``). DTensor ops run below autograd, so
+        these are three separate version counters."""
+        version = self.sharded_flat._version
+        for p in self.params:
+            version += p.sharded._version + p.sharded._local_tensor._version  # type: ignore[union-attr]
+        return version
 
     def reshard(self) -> None:
         # Never free memory a collective still writes (or a deferred one will).

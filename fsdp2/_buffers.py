@@ -15,7 +15,8 @@ What this costs per rank: the pool keeps what the busiest moment of a step held 
 at most ``max_free`` idle buffers per device (the smallest goes back to the allocator
 first). For a model of identical blocks plus a larger root that is one root-sized buffer
 (it serves the root and, in between, a block) and one block-sized buffer: the current
-group's buffer and the prefetched or still-reducing one.
+group's buffer and the prefetched or still-reducing one; on gloo one more block-sized
+buffer, the receive buffer of the all-to-all that reduces the gradients.
 """
 
 from __future__ import annotations

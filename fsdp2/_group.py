@@ -231,6 +231,13 @@ class ParamGroup:
             self.saved_by_hooks = self.saved_by_hooks or _saved_tensor_hooks_active()
             for b in self.buckets:
                 b.refresh_reduce_layout()
+            if self.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL) and any(
+                b.is_stale() for b in self.buckets
+            ):
+                # Still gathered from a forward whose backward never ran (the root, the
+                # kept last block, reshard_after_forward=False or int) and the shards
+                # changed since, e.g. an optimizer step: gather them afresh.
+                self.reshard()
         self.unshard()
         self.wait_for_unshard()
         # Issued after our wait: the gather queue was busy with ours until now anyway,

@@ -163,6 +163,9 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, manage
     swaps: list[_GroupSwap] = []
     seen: set[int] = set()
     plans = _PLANS.get(optimizer, {})
+    if plans:
+        for key in plans.keys() - {id(g) for g in optimizer.param_groups}:
+            del plans[key]  # a group the optimizer dropped: its plan would hold its state
     for group in optimizer.param_groups:
         planned = _reuse_plan(optimizer, group, plans.get(id(group)), seen)
         if planned is None:

@@ -402,3 +402,31 @@ def _unused_branch_worker(rank: int, world: int) -> float:
 @pytest.mark.parametrize("world", [1, 2])
 def test_reduce_at_the_end_of_backward_waits_for_the_one_in_flight(world: int) -> None:
     assert max(run_ranks(_unused_branch_worker, world)) < 1e-12
+
+
+def _metrics_forward_worker(rank: int, world: int, blocks_reshard: bool | None) -> float:
+    torch.manual_seed(0)
+    ref = ToyModel(scalar_gate=False).double()
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        fsdp2.fully_shard(block, reshard_after_forward=blocks_reshard)
+    fsdp2.fully_shard(model)  # the root keeps its parameters after forward
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for step in range(4):
+        ids, targets = batch(step, 2 * world)
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+        loss_fn(ref(ids), targets).backward()
+        model(ids.chunk(world)[rank])  # a metrics forward, grad mode on, no backward
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    got, want = full_params(model), full_params(ref)
+    return max((got[n] - want[n]).abs().max().item() for n in want)
+
+
+@pytest.mark.parametrize("blocks_reshard", [None, False])
+def test_forward_after_an_optimizer_step_gathers_fresh_parameters(blocks_reshard: bool | None) -> None:
+    """Groups still gathered from a forward that no backward followed (the root, the
+    last block, ``reshard_after_forward=False``) are gathered afresh once the shards
+    changed (here by the optimizer), not reused with the old values."""
+    assert max(run_ranks(_metrics_forward_worker, 2, blocks_reshard)) < 1e-12

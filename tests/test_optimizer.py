@@ -442,3 +442,31 @@ def test_a_kept_plan_is_dropped_when_what_it_relied_on_changes(world: int) -> No
     # written: plans afresh.
     for out in run_ranks(_reuse_worker, world):
         assert out["reused"] == [0, 0, 1, 0, 0, 1, 0], out
+
+
+def _reset_worker(rank: int, world: int) -> int:
+    import gc
+
+    model, _ = _build(rank, world, scalar_gate=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(i: int) -> None:
+        ids, targets = batch(i, PER_RANK_BATCH * world)
+        loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(3):  # the last steps on a kept plan
+        step(i)
+    refs = [weakref.ref(v._local_tensor) for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    opt.state.clear()  # the user resets the optimizer: a new param group, new state
+    opt.param_groups.clear()
+    opt.add_param_group({"params": list(model.parameters())})
+    for i in range(3, 5):
+        step(i)
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
+def test_a_dropped_param_group_takes_its_kept_plan_and_state_along() -> None:
+    assert run_ranks(_reset_worker, 2) == [0, 0]
