@@ -154,8 +154,8 @@ class FlatBucket:
         # like the shards: the optimizer can step on it while each ``.grad`` is still one
         # of those (``flat_grad``). Weak: ``zero_grad(set_to_none=True)`` frees them.
         self._committed: tuple[weakref.ref, list[weakref.ref]] | None = None
-        # ``_shards_version()`` when the gathered copy was taken (``is_stale``).
-        self._gathered_version = -1
+        # ``_shards_version()`` when a forward left the gathered copy in place (``is_stale``).
+        self._gathered_version: int | None = None
         self._allocate_sharded(originals, device)
 
     # ------------------------------------------------------------------ storage
@@ -311,7 +311,6 @@ class FlatBucket:
             source, group = self._partial, partial_group
         else:
             source, group = self.sharded_flat[: self.shard_numel], comm.group
-            self._gathered_version = self._shards_version()
             if self.gather_in_place:
                 if after is not None and not after.done() and not debug_enabled():
                     issue = functools.partial(self._start_gather_in_place, source)
@@ -376,9 +375,13 @@ class FlatBucket:
             tail = self._unsharded_write[start : start + len(self.scalars)]
             tail.copy_(self.sharded_flat[self.shard_numel :])
 
+    def note_kept(self) -> None:
+        """A forward ends with the gathered (or partially kept) parameters left in place."""
+        self._gathered_version = None if self.gather_is_identity else self._shards_version()
+
     def is_stale(self) -> bool:
-        """The gathered (or partially kept) parameters predate a write to the shards."""
-        return not self.gather_is_identity and self._shards_version() != self._gathered_version
+        """Parameters a forward left gathered predate a write to the shards since."""
+        return self._gathered_version is not None and self._shards_version() != self._gathered_version
 
     def _shards_version(self) -> int:
         """Grows with every write to the shards: through the flat buffer (a flat optimizer
@@ -395,6 +398,7 @@ class FlatBucket:
         if self._pending_gather is not None or self._gather_issue is not None:
             self.finish_all_gather()
         self._partial = None
+        self._gathered_version = None
         self._free_unsharded()
 
     def reshard_partial(self, factor: int, index: int) -> None:

@@ -300,6 +300,9 @@ class ParamGroup:
             self._forwarded.clear()
             if torch.is_grad_enabled():
                 self._reshard_after_forward()
+                if self.shard_state is not ShardState.SHARDED:
+                    for b in self.buckets:
+                        b.note_kept()  # checked at the next forward (``pre_forward``)
             else:
                 self.reshard()  # no backward follows a no-grad forward: keep nothing
             self.training_state = TrainingState.IDLE
