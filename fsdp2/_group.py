@@ -161,12 +161,16 @@ class ParamGroup:
     def _reshard_after_forward(self) -> None:
         value = self.reshard_after_forward
         if value is True:
-            if not self.is_kept_for_backward():
+            if self.frees_after_forward():
                 self.reshard()
         elif value is not False and self.shard_state is ShardState.UNSHARDED:
             for b in self.buckets:
                 b.reshard_partial(value, self.partial_index)
             self.shard_state = ShardState.PARTIAL
+
+    def frees_after_forward(self) -> bool:
+        """Its gathered parameters are freed once its forward is done."""
+        return self.reshard_after_forward is True and not self.is_kept_for_backward()
 
     def is_kept_for_backward(self) -> bool:
         """With the default ``reshard_after_forward=None``, the last group to run forward

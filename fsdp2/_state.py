@@ -120,9 +120,8 @@ class RootContext:
             if (
                 g is not self.root
                 and g.training_state is TrainingState.IDLE
-                and g.reshard_after_forward is True
+                and g.frees_after_forward()
                 and g.shard_state is not ShardState.SHARDED
-                and not g.is_kept_for_backward()
             ):
                 g.reshard()
 
