@@ -214,11 +214,14 @@ class FlatBucket:
         self._grad_slots = (
             [self._unsharded_view(self._unsharded_write, p) for p in self.params] if self.in_place else []
         )
-        # One rank, no dtype change on the way in or out: the module computes with leaf
-        # aliases of the shards and autograd accumulates their ``.grad`` itself, as in
-        # local training; ``commit_direct`` hands them to the sharded parameters.
+        # The unsharded parameters: leaves over these views, whose ``.grad`` autograd
+        # accumulates by whatever path the module's computation took.
+        for p, view in zip(self.params, self.unsharded_views):
+            p.set_unsharded(view)
+        # One rank, no dtype change on the way in or out: the leaves alias the shards
+        # and ``commit_direct`` hands their gradients to the sharded parameters, as in
+        # local training: nothing to gather or reduce.
         self.direct = self.gather_is_identity and self.reduce_dtype == self.dtype
-        self.direct_leaves = [v.detach() for v in self.unsharded_views] if self.direct else []
         # How many references to the unsharded storage are our own (the tensors above);
         # any more means some tensor outside, e.g. one autograd saved, can still read it.
         self._own_storage_refs = _storage_refs(flat)
@@ -428,7 +431,7 @@ class FlatBucket:
         key = tuple(bool(p.sharded is not None and p.sharded.requires_grad) for p in self.params)
         if self._layout is not None and key == self._layout_key:
             return self._layout
-        if any(self._deposited):
+        if any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params):
             raise RuntimeError(
                 "requires_grad of a parameter changed while gradients were being accumulated "
                 "without synchronization; change requires_grad only between optimizer steps"
@@ -472,8 +475,8 @@ class FlatBucket:
         return self.comm.world * max(self.shard_numel, self.reduce_layout().numel)
 
     def lend_storage_for_reduce(self) -> None:
-        """Called once nothing reads the unsharded parameters any more (before the last
-        node's gradients are deposited, and again before the reduce is issued): when the
+        """Called once nothing reads the unsharded parameters any more (before the
+        gradients are deposited, and again before the reduce is issued): when the
         bucket is in place, every parameter is reduced and the reduce dtype is the compute
         dtype, the gradients go into the parameters' own places in the unsharded storage
         and are summed there (gradients already in a pooled buffer are moved over);
@@ -538,9 +541,6 @@ class FlatBucket:
         if rest:
             _write(region[full, :rest], grad[full * chunk :], first)
 
-    def has_deposits(self) -> bool:
-        return any(self._deposited)
-
     def start_reduce(self, divide_factor: float) -> None:
         """Issue the reduce-scatter of everything deposited; undeposited gradients count as
         zero and carry a zero "used" flag. The gradients are divided by ``divide_factor``."""
@@ -602,9 +602,6 @@ class FlatBucket:
         # not when the next group's gradients need room: by then they are all resident.
         stage = functools.partial(self._stage_from_storage, self.reduce_layout(), self._divide_factor)
         self._staged = then(self._pending_reduce, stage)
-
-    def has_pending_reduce(self) -> bool:
-        return self._pending_reduce is not None
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and stage the sharded gradients for ``commit_grads``."""
@@ -703,7 +700,7 @@ class FlatBucket:
         """Direct mode: move the leaves' accumulated gradients into ``.grad``. When every
         parameter got one and none had one yet, they go into one flat tensor laid out like
         the shards, so the optimizer can step the bucket as one tensor (``fsdp2._optim``)."""
-        grads = [leaf.grad for leaf in self.direct_leaves]
+        grads = [p.unsharded.grad for p in self.params]  # type: ignore[union-attr]
         if (
             len(grads) > 1
             and not self.scalars
@@ -713,16 +710,15 @@ class FlatBucket:
             flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
             if divide_factor != 1:
                 flat.div_(divide_factor)
-            for p, leaf in zip(self.params, self.direct_leaves):
-                leaf.grad = None
+            for p in self.params:
+                p.unsharded.grad = None  # type: ignore[union-attr]
                 local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
                 p.sharded.grad = p.grad_dtensor(local, self.comm.mesh)  # type: ignore[union-attr]
             self._remember_flat_grad(flat)
             return
-        for p, leaf in zip(self.params, self.direct_leaves):
-            grad = leaf.grad
+        for p in self.params:
+            grad = p.take_unsharded_grad()
             if grad is not None:
-                leaf.grad = None
                 if divide_factor != 1:
                     grad.div_(divide_factor)
                 _accumulate_grad(p, grad, self.comm.mesh)
@@ -730,8 +726,8 @@ class FlatBucket:
     def drop_reduce_state(self) -> None:
         """Forget deposited gradients and any reduce-scatter (after an exception)."""
         self._ready_grads.clear()
-        for leaf in self.direct_leaves:
-            leaf.grad = None
+        for p in self.params:
+            p.take_unsharded_grad()
         if self._pending_reduce is not None:
             try:
                 if self._staged is not None:

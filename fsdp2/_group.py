@@ -1,23 +1,33 @@
 """One ``fully_shard`` call's parameters: unshard, reshard, and the hooks' work.
 
+Visibility follows the shard state: while a group is unsharded (in forward, in
+backward, after an explicit ``unshard()``, or kept gathered after forward) its modules
+register the unsharded leaf ``nn.Parameter``s; once resharded, the sharded DTensors.
+Whatever computes with the leaves (the module's forward, an activation checkpoint's
+recompute outside fsdp2's hooks, a direct call of an inner module) accumulates into
+their ``.grad``; the group moves those gradients into its reduce, once.
+
 Lifecycle of a group in one training step:
 
   Phase 1  pre_forward   all-gather (maybe already prefetched), prefetch the next
-                         group, register unsharded views through ``_UnshardedParams``.
-  Phase 2  post_forward  register the sharded parameters again, reshard per
-                         ``reshard_after_forward``, hook the outputs for pre_backward.
+                         group; the inputs pass through ``_PostBackward``.
+  Phase 2  post_forward  reshard per ``reshard_after_forward``, hook the outputs for
+                         pre_backward.
   Phase 3  pre_backward  (first output gradient) all-gather again if resharded,
                          prefetch the group that runs backward next.
-  Phase 4  post_backward (``_UnshardedParams.backward``, once every parameter and
-                         input gradient of the forward call is computed) deposit the
-                         gradients; after the last pending call: reshard and issue
-                         the reduce-scatter.
-  Phase 5  finalize      (root's end-of-backward callback) flush what never reached
-                         Phase 4, wait for reduce-scatters, write ``.grad``.
+  Phase 4  post_backward (``_PostBackward.backward`` of its last pending forward
+                         call: every op of that call was created after the node, so
+                         autograd has run them all and accumulated the parameters'
+                         gradients) reshard, move the unsharded gradients into the
+                         reduce input and issue the reduce-scatter.
+  Phase 5  finalize      (root's end-of-backward callback) run Phase 4 for groups whose
+                         gradients came without a node (no input needing grad, a
+                         reentrant recompute, a direct call), wait for reduce-scatters,
+                         write ``.grad``.
 
-On one rank without a dtype change (``direct``) there is nothing to gather or reduce:
-Phase 1 registers leaf aliases of the shards, autograd accumulates their gradients, no
-Phase 4 runs, and Phase 5 moves the gradients into ``.grad``.
+On one rank without a dtype change (``direct``) the leaves alias the shards: nothing is
+gathered or reduced, no node of ours enters the graph, and Phase 5 moves the leaves'
+gradients into ``.grad``.
 """
 
 from __future__ import annotations
@@ -52,10 +62,10 @@ class TrainingState(Enum):
 
 
 class ShardState(Enum):
-    SHARDED = auto()  # only the sharded flat buffers hold data
-    GATHERING = auto()  # all-gather issued, not waited for yet
-    UNSHARDED = auto()  # unsharded flat buffers hold the full parameters
-    PARTIAL = auto()  # after forward with an int reshard: W/N of the rows kept
+    SHARDED = auto()  # only the sharded flat buffers hold data; modules show the DTensors
+    GATHERING = auto()  # all-gather issued, not waited for yet; modules show the DTensors
+    UNSHARDED = auto()  # unsharded flat buffers hold the full parameters; modules show the leaves
+    PARTIAL = auto()  # after forward with an int reshard: W/N of the rows kept; the DTensors
 
 
 class ParamGroup:
@@ -72,6 +82,8 @@ class ParamGroup:
         reshard_after_forward: bool | int | None,
     ) -> None:
         self.params = params
+        for p in params:
+            p.group = weakref.ref(self)
         self.modules = modules
         self.comm = comm
         self.mp_policy = mp_policy
@@ -89,13 +101,6 @@ class ParamGroup:
             self.buckets.append(bucket)
             for i in idx:
                 self._bucket_of[id(params[i])] = bucket
-        # Parameters each module of the group registers, for its own autograd node.
-        self.module_params: dict[int, list[FSDPParam]] = {}
-        for m in modules:
-            inside = {id(sub) for sub in m.modules()}
-            self.module_params[id(m)] = [
-                p for p in params if any(id(owner) in inside for owner, _ in p.owners)
-            ]
         self.set_name(type(modules[0]).__name__)
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
         self.reshard_after_forward: bool | int = True if reshard_after_forward is None else reshard_after_forward
@@ -103,14 +108,19 @@ class ParamGroup:
         self.partial_index = 0
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
         self.is_last_backward = True
         self.forward_prefetch: list[ParamGroup] | None = None  # explicit, overrides implicit
         self.backward_prefetch: list[ParamGroup] | None = None
         self.training_state = TrainingState.IDLE
         self.shard_state = ShardState.SHARDED
-        self.pending_nodes = 0  # forward calls whose _UnshardedParams.backward has not run
+        self.pending_nodes = 0  # forward calls whose _PostBackward.backward has not run
         self.generation = 0  # bumped when pending_nodes restarts: older nodes no longer count
+        # Gradients may reach the leaves with no node of ours to say when they are all
+        # there (a forward call without inputs that need grad, a reentrant recompute, an
+        # explicit unshard): Phase 5 runs Phase 4. Set alike on every rank.
+        self.reduce_at_finalize = False
         # Forward calls whose outputs carry a pre_backward hook, and how many fired so far.
         self.hooked_calls = 0
         self.started_backward_calls = 0
@@ -121,7 +131,6 @@ class ParamGroup:
         self.ctx: RootContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
         self._checked_flats: list[torch.Tensor] = []  # sharded flats found materialized
-        self._anchor = torch.empty(0, device=device if device.type != "meta" else "cpu", requires_grad=True)
 
     def set_name(self, name: str) -> None:
         """Name used in messages: the module's FQN under the root, once known."""
@@ -144,10 +153,13 @@ class ParamGroup:
         self.shard_state = ShardState.GATHERING
 
     def wait_for_unshard(self) -> None:
+        """Finish the all-gather; from now on the modules show the unsharded leaves."""
         if self.shard_state is ShardState.GATHERING:
             for b in self.buckets:
                 b.finish_all_gather()
             self.shard_state = ShardState.UNSHARDED
+            for p in self.params:
+                p.register_unsharded()
         elif self.shard_state is not ShardState.UNSHARDED:
             raise AssertionError(f"fsdp2 internal error: wait_for_unshard in state {self.shard_state}")
 
@@ -156,7 +168,20 @@ class ParamGroup:
             return
         for b in self.buckets:
             b.reshard()
-        self.shard_state = ShardState.SHARDED
+        self._show_sharded(ShardState.SHARDED)
+
+    def reshard_if_idle(self) -> None:
+        """Reshard a group left gathered between steps (kept after a forward no backward
+        followed, after backward, or by ``unshard()``) before the shards change or are
+        saved, so nobody sees a stale gathered copy; a no-op during forward or backward."""
+        in_step = self.ctx is not None and (self.ctx.in_backward or self.ctx.active_forwards)
+        if self.training_state is TrainingState.IDLE and not in_step:
+            self.reshard()
+
+    def _show_sharded(self, state: ShardState) -> None:
+        self.shard_state = state
+        for p in self.params:
+            p.register_sharded()
 
     def _reshard_after_forward(self) -> None:
         value = self.reshard_after_forward
@@ -166,7 +191,7 @@ class ParamGroup:
         elif value is not False and self.shard_state is ShardState.UNSHARDED:
             for b in self.buckets:
                 b.reshard_partial(value, self.partial_index)
-            self.shard_state = ShardState.PARTIAL
+            self._show_sharded(ShardState.PARTIAL)
 
     def frees_after_forward(self) -> bool:
         """Its gathered parameters are freed once its forward is done."""
@@ -187,8 +212,8 @@ class ParamGroup:
 
     @property
     def direct(self) -> bool:
-        """One rank, no dtype change: gradients accumulate in leaf aliases of the shards
-        (see ``FlatBucket.direct``) with no autograd node or copy of ours in backward."""
+        """One rank, no dtype change: the leaves alias the shards (see
+        ``FlatBucket.direct``), with no autograd node or copy of ours in backward."""
         return all(b.direct for b in self.buckets)
 
     def _check_materialized(self) -> None:
@@ -224,6 +249,16 @@ class ParamGroup:
         for b in self.buckets:
             b.rebind()
 
+    def watch_leaves(self) -> None:
+        """After an explicit ``unshard()`` code may compute with the leaves outside any
+        module of ours: a gradient accumulating into one schedules Phase 5."""
+        for p in self.params:
+            p.watch_accumulation(self)
+
+    def on_accumulated(self) -> None:
+        if self.ctx is not None:
+            self.ctx.on_backward_start()
+
     # -------------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.ctx
@@ -251,54 +286,28 @@ class ParamGroup:
                 target.unshard()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        return self._register_unsharded(module, args, kwargs, counted=not recompute)
-
-    def _register_unsharded(
-        self, module: nn.Module, args: tuple, kwargs: dict, counted: bool
-    ) -> tuple[tuple, dict]:
-        params = self.module_params[id(module)]
-        if self.direct:
-            for p in params:
-                leaf = self._bucket_of[id(p)].direct_leaves[p.bucket_index]
-                if leaf.requires_grad != p.sharded.requires_grad:  # type: ignore[union-attr]
-                    leaf.requires_grad_(p.sharded.requires_grad)  # type: ignore[union-attr]
-                p.register(leaf)
+        if self.direct or not torch.is_grad_enabled() or not any(b.has_reduced_params() for b in self.buckets):
             return args, kwargs
-        inputs = collect_tensors((args, kwargs), _requires_grad) if torch.is_grad_enabled() else []
-        trainable = torch.is_grad_enabled() and any(p.sharded.requires_grad for p in params)  # type: ignore[union-attr]
-        if not (inputs or trainable):
-            # Fresh view objects when autograd may save them: a saved parameter must add a
-            # reference to the storage, or ``is_unreferenced_in_backward`` would miss it.
-            grad = torch.is_grad_enabled()
-            for p in params:
-                view = self._unsharded_view(p)
-                p.register(view.view(view.shape) if grad else view)
+        if recompute:
+            # A reentrant checkpoint's recompute, whose forward ran without grad: its
+            # gradients reach the leaves inside this backward, with no node counted.
+            # (A non-reentrant recompute only refills saved tensors: its group has nodes.)
+            self.reduce_at_finalize = self.reduce_at_finalize or self.pending_nodes == 0
             return args, kwargs
-        outs = _UnshardedParams.apply(self, id(module), counted, self._anchor, *inputs)
-        if counted:
-            self.pending_nodes += 1
-        for p, view in zip(params, outs):
-            p.register(view)
-        if inputs:
-            routed = dict(zip(map(id, inputs), outs[len(params) :]))
-            args, kwargs = map_tensors((args, kwargs), lambda t: routed.get(id(t), t))
-        return args, kwargs
-
-    def fresh_unsharded_views(self, module_key: int) -> list[torch.Tensor]:
-        """New view objects of the unsharded parameters, for one autograd node's outputs."""
-        return [v.view(v.shape) for v in map(self._unsharded_view, self.module_params[module_key])]
-
-    def _unsharded_view(self, p: FSDPParam) -> torch.Tensor:
-        """The persistent view of ``p`` in its bucket's unsharded flat buffer."""
-        return self._bucket_of[id(p)].unsharded_views[p.bucket_index]
+        inputs = collect_tensors((args, kwargs), _requires_grad)
+        if not inputs:
+            self.reduce_at_finalize = True
+            return args, kwargs
+        outs = _PostBackward.apply(self, *inputs)
+        self.pending_nodes += 1
+        routed = dict(zip(map(id, inputs), outs))
+        return map_tensors((args, kwargs), lambda t: routed.get(id(t), t))
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         ctx = self.ctx
         assert ctx is not None
-        for p in self.module_params[id(module)]:
-            p.register_sharded()
         if ctx.in_backward:  # recompute: backward still needs the unsharded parameters
-            return output
+            return self._cast_output(output)
         self._forwarded.add(id(module))
         if len(self._forwarded) == len(self.modules):
             self._forwarded.clear()
@@ -315,8 +324,12 @@ class ParamGroup:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
                 self.hooked_calls += 1
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
+        """Cast as the policy says, in forward and in a checkpoint's recompute alike."""
         if self.mp_policy.output_dtype is not None:
-            output = cast_floating(output, self.mp_policy.output_dtype)
+            return cast_floating(output, self.mp_policy.output_dtype)
         return output
 
     # ------------------------------------------------------------------- backward
@@ -329,8 +342,9 @@ class ParamGroup:
         assert ctx is not None
         ctx.on_backward_start()
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
-        self.wait_for_unshard()
+        if self.unshard_in_backward:
+            self.unshard()
+            self.wait_for_unshard()
         # Overlaps this group's backward compute; behind the reduce still in flight, so
         # its gathered parameters take the memory that reduce frees (fsdp2._collectives).
         after = ctx.reduce_in_flight() if PREFETCH_BEHIND_REDUCE else None
@@ -338,23 +352,10 @@ class ParamGroup:
             target.unshard(after)
         ctx.free_unreferenced(self)
 
-    def post_backward_node(self, module_key: int, grads: tuple, counted: bool) -> None:
-        """``_UnshardedParams.backward``: gradients of one forward call are complete."""
+    def post_backward_node(self, counted: bool) -> None:
+        """``_PostBackward.backward``: one forward call's backward is complete."""
         if self.ctx is not None:
             self.ctx.on_backward_start()
-        if counted and self.pending_nodes <= 1 and self.reshard_after_backward:
-            # Nothing reads the parameters now: free them before the copy-in, or sum the
-            # gradients in their place.
-            if self.requires_gradient_sync:
-                for b in self.buckets:
-                    b.lend_storage_for_reduce()
-            self.reshard()
-        if self.ctx is not None:
-            self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
-        with torch.no_grad():
-            for p, g in zip(self.module_params[module_key], grads):
-                if g is not None:
-                    self._bucket_of[id(p)].deposit(p, g)
         if counted:
             self.pending_nodes -= 1
             if self.pending_nodes <= 0:
@@ -367,38 +368,61 @@ class ParamGroup:
             self.pending_nodes -= 1
 
     def post_backward(self) -> None:
-        """Phase 4's end: reshard and issue this group's reduce-scatters."""
+        """Phase 4: reshard, move the unsharded gradients into the reduce input and issue
+        this group's reduce-scatters."""
         self.forget_calls()
+        sync = self.requires_gradient_sync and not self.direct
         if self.reshard_after_backward:
+            if sync:
+                # Nothing reads the parameters now: sum the gradients in their place.
+                for b in self.buckets:
+                    b.lend_storage_for_reduce()
             self.reshard()
         self.training_state = TrainingState.IDLE
-        if not self.requires_gradient_sync:
-            return
+        if not sync:
+            return  # the gradients stay in the leaves until a backward that syncs
+        assert self.ctx is not None
+        self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
+        with torch.no_grad():
+            for p in self.params:
+                grad = p.take_unsharded_grad()
+                if grad is not None:
+                    if p.rs_index < 0:
+                        raise AssertionError(f"fsdp2 internal error: gradient for frozen parameter {p.fqn}")
+                    self._bucket_of[id(p)].deposit(p, grad)
         for b in self.buckets:
             if b.has_reduced_params():
                 if self.reshard_after_backward:
-                    # Every rank decides alike here, whether or not its last node lent
-                    # the storage already (which nodes ran can depend on the data).
+                    # Every rank decides alike here, whatever gradients it deposited
+                    # (which ones a rank computed can depend on its data).
                     b.lend_storage_for_reduce()
                 b.start_reduce(self.divide_factor())
-                assert self.ctx is not None
                 self.ctx.add_pending_reduce(self, b)
+
+    def has_unsharded_grads(self) -> bool:
+        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params)
 
     def forget_calls(self) -> None:
         """Start counting forward calls afresh; older nodes no longer count."""
         self.pending_nodes = 0
         self.generation += 1
+        self.reduce_at_finalize = False
         self.saved_by_hooks = False
         self.hooked_calls = self.started_backward_calls = 0
 
     def is_unreferenced_in_backward(self) -> bool:
-        """Every forward call's backward started, its parameters are still gathered, and
-        no tensor outside the group (nothing autograd saved) shares them any more: e.g. the
-        root after the output layer's backward, while every block's backward lies ahead.
-        Not after a forward under saved-tensor hooks: a checkpoint recompute would need
-        the parameters again without holding them now."""
+        """The root (whose gradients wait for the end of backward) is still gathered, every
+        forward call's backward started and no tensor outside the group shares its
+        storage any more: nothing autograd saved can read it, e.g. after the output
+        layer's backward, while every block's backward lies ahead. Autograd saves a leaf
+        itself, which no storage count sees: the root's own computation saves detached
+        aliases instead (``RootContext.start_saving_hooks``). Not after a forward under
+        other saved-tensor hooks (a checkpoint recompute would need the parameters again
+        without holding them now)."""
         return (
-            self.training_state is TrainingState.PRE_BACKWARD
+            self.ctx is not None
+            and self is self.ctx.root
+            and self.training_state is TrainingState.PRE_BACKWARD
             and self.started_backward_calls >= self.hooked_calls  # no pre_backward to come
             and not self.saved_by_hooks
             and self.shard_state is ShardState.UNSHARDED
@@ -413,10 +437,9 @@ class ParamGroup:
         """Forget this iteration: reshard, drop deposited gradients and pending work."""
         for b in self.buckets:
             b.drop_reduce_state()
-        self.shard_state = ShardState.UNSHARDED if self.shard_state is ShardState.GATHERING else self.shard_state
+        if self.shard_state is ShardState.GATHERING:
+            self.shard_state = ShardState.UNSHARDED
         self.reshard()
-        for p in self.params:
-            p.register_sharded()
         self.forget_calls()
         self._forwarded.clear()
         self.training_state = TrainingState.IDLE
@@ -439,34 +462,28 @@ def _node_freed(group: ParamGroup, count: list) -> None:
         group.node_dropped(count[1])
 
 
-class _UnshardedParams(torch.autograd.Function):
-    """Autograd node between the sharded world and one forward call of a module.
-
-    Outputs: fresh views of the unsharded parameters (frozen ones non-differentiable),
-    then the forward's inputs that require grad, passed through. Its backward runs once
-    all of them have their gradients, i.e. after the module's whole backward: no op of
-    the call can still read the unsharded parameters, so the group may reshard.
+class _PostBackward(torch.autograd.Function):
+    """Autograd node in front of one forward call of a module: it passes the call's
+    inputs that require grad through, and its backward runs once their gradients are
+    complete. Every op of the call was created after this node, so autograd, which runs
+    the newest ready node first and accumulates a leaf's gradient as soon as it is
+    ready, has by then run all of them: the parameters' gradients of the call are in
+    the leaves and nothing of the call reads the parameters any more.
     """
 
     @staticmethod
-    def forward(ctx: Any, group: ParamGroup, module_key: int, counted: bool, anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
-        ctx.group, ctx.module_key, ctx.n_inputs = group, module_key, len(inputs)
+    def forward(ctx: Any, group: ParamGroup, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+        ctx.group = group
         ctx.set_materialize_grads(False)
         # [still counted, generation]; cleared when backward runs, else the finalizer
         # tells the group when the graph is freed without a backward.
-        ctx.count = [counted, group.generation]
-        if counted:
-            weakref.finalize(ctx, _node_freed, group, ctx.count)
-        views = group.fresh_unsharded_views(module_key)
-        frozen = [v for v, p in zip(views, group.module_params[module_key]) if not p.sharded.requires_grad]  # type: ignore[union-attr]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return (*views, *inputs)
+        ctx.count = [True, group.generation]
+        weakref.finalize(ctx, _node_freed, group, ctx.count)
+        return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        n_params = len(grads) - ctx.n_inputs
         counted = ctx.count[0] and ctx.count[1] == ctx.group.generation
         ctx.count[0] = False
-        ctx.group.post_backward_node(ctx.module_key, grads[:n_params], counted)
-        return (None, None, None, None, *grads[n_params:])
+        ctx.group.post_backward_node(counted)
+        return (None, *grads)

@@ -1,8 +1,13 @@
-"""One managed parameter: its sharded DTensor and where its data lives.
+"""One managed parameter: its sharded DTensor, its unsharded ``nn.Parameter``, and
+where their data lives.
 
 An ``FSDPParam`` owns no storage. Its shard is a view into its bucket's sharded flat
-buffer (so the all-gather needs no copy-in) and its unsharded value is a view into the
-bucket's unsharded flat buffer. Sharding follows ``torch.chunk`` on dim 0: every rank
+buffer (so the all-gather needs no copy-in) and its unsharded parameter is a leaf
+``nn.Parameter`` over a view of the bucket's unsharded flat buffer: one object for the
+parameter's whole life, so every autograd graph built on it (a forward, an activation
+checkpoint's recompute, a direct call of an inner module) accumulates into its
+``.grad``. Its owner modules register whichever of the two matches the group's shard
+state. Sharding follows ``torch.chunk`` on dim 0: every rank
 holds ``chunk_rows`` rows in the flat layouts, the real rows first, then padding;
 trailing ranks may hold no real rows. 0-dim parameters cannot shard on dim 0: they are
 replicated (``Replicate()``) and their gradients are summed over ranks.
@@ -11,12 +16,24 @@ replicated (``Replicate()``) and their gradients are summed over ranks.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+
+# id(unsharded leaf) -> its FSDPParam (weakly), to tell an optimizer that was handed the
+# unsharded parameters (``unsharded_owner``).
+_LEAF_OWNER: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
+
+
+def unsharded_owner(t: torch.Tensor) -> FSDPParam | None:
+    """The ``FSDPParam`` whose unsharded leaf ``t`` is, if any."""
+    fp = _LEAF_OWNER.get(id(t))
+    return fp if fp is not None and fp.unsharded is t else None
 
 
 class FSDPParam:
@@ -49,7 +66,10 @@ class FSDPParam:
         self.rs_index = -1  # index among the bucket's reduced parameters; -1 when frozen
         self.bucket_index = -1  # index in the bucket's parameter list
         self.bucket: Any = None  # the FlatBucket holding this parameter
+        self.group: Any = lambda: None  # weak reference to the ParamGroup holding it
         self.sharded: nn.Parameter | None = None
+        self.unsharded: nn.Parameter | None = None  # the unsharded leaf (set by the bucket)
+        self._watch: Any = None  # its post-accumulate-grad hook's handle
         self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
@@ -87,6 +107,45 @@ class FSDPParam:
     def register_sharded(self) -> None:
         assert self.sharded is not None, "fsdp2 internal error: parameter not sharded yet"
         self.register(self.sharded)
+
+    def register_unsharded(self) -> None:
+        """Show the unsharded leaf, trainable exactly when the sharded parameter is."""
+        leaf, sharded = self.unsharded, self.sharded
+        assert leaf is not None and sharded is not None, "fsdp2 internal error: no unsharded parameter"
+        if leaf.requires_grad != sharded.requires_grad:
+            leaf.requires_grad_(sharded.requires_grad)
+        self.register(leaf)
+
+    def set_unsharded(self, view: torch.Tensor) -> None:
+        """A new unsharded leaf over ``view`` (at build time and after ``rebind``)."""
+        requires_grad = self.sharded.requires_grad if self.sharded is not None else False
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+        self.unsharded = nn.Parameter(view, requires_grad=requires_grad)
+        _LEAF_OWNER[id(self.unsharded)] = self
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient accumulated in the unsharded leaf, which is cleared."""
+        leaf = self.unsharded
+        grad = None if leaf is None else leaf.grad
+        if grad is not None:
+            leaf.grad = None  # type: ignore[union-attr]
+        return grad
+
+    def watch_accumulation(self, group: Any) -> None:
+        """Call ``group.on_accumulated()`` after each accumulation into the leaf
+        (installed once; weak references, so the hook keeps neither alive)."""
+        if self._watch is not None or self.unsharded is None or not self.unsharded.requires_grad:
+            return
+        owner = weakref.ref(group)
+
+        def hook(_: torch.Tensor) -> None:
+            target = owner()
+            if target is not None:
+                target.on_accumulated()
+
+        self._watch = self.unsharded.register_post_accumulate_grad_hook(hook)
 
 
 def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:

@@ -12,7 +12,7 @@ from torch.autograd import Variable
 
 from . import _optim
 from ._bucket import FlatBucket
-from ._group import ParamGroup, ShardState, TrainingState
+from ._group import ParamGroup, ShardState, TrainingState, _saved_tensor_hooks_active
 
 # Reduce-scatters allowed in flight before the oldest is waited for: bounds the
 # pooled reduce buffers alive at once (each holds a full unsharded gradient) while
@@ -41,29 +41,49 @@ class FSDPState:
         return self.post_forward(output)
 
     def on_forward_exception(self) -> None:
-        """Forward raised: show the sharded parameters again; reset at the next forward."""
-        for p in self.group.module_params[id(self.module)]:
-            p.register_sharded()
-        if self.group.ctx is not None:
-            self.group.ctx.needs_reset = True
+        """Forward raised: free the gathered parameters (the module shows the sharded ones
+        again; a gather in flight is left to the reset at the next forward). Not in a
+        checkpoint's recompute, which stops early by raising once it has recomputed what
+        backward needs: backward goes on reading the parameters."""
+        group = self.group
+        ctx = group.ctx
+        if ctx is not None and ctx.in_backward:
+            return
+        if ctx is not None:
+            ctx.end_saving_hooks(group)
+        if group.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL):
+            group.reshard()
+        if ctx is not None:
+            ctx.needs_reset = True
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.group.ctx
         if ctx is None:
             ctx = RootContext.lazy_init(self)
-        if ctx.root is self.group:
+        is_root = ctx.root is self.group
+        if is_root:
             if _optim._ACTIVE:
                 _optim.repair_all()  # an optimizer step raised midway
             ctx.start_iteration()
+        if ctx.in_backward:  # a recompute, which may stop early without its post_forward
+            return self.group.pre_forward(self.module, args, kwargs)
         ctx.active_forwards += 1
-        return self.group.pre_forward(self.module, args, kwargs)
+        if not is_root:
+            ctx.pause_saving_hooks(self.group)
+        args, kwargs = self.group.pre_forward(self.module, args, kwargs)
+        if is_root:
+            ctx.start_saving_hooks()
+        return args, kwargs
 
     def post_forward(self, output: Any) -> Any:
         ctx = self.group.ctx
         assert ctx is not None
+        if ctx.in_backward:
+            return self.group.post_forward(self.module, output)
         ctx.active_forwards -= 1
+        ctx.end_saving_hooks(self.group)
         output = self.group.post_forward(self.module, output)
-        if ctx.root is self.group and not ctx.in_backward:
+        if ctx.root is self.group:
             ctx.end_forward()
         return output
 
@@ -80,6 +100,9 @@ class RootContext:
         self.forward_order: list[ParamGroup] = []
         self.order_frozen = False
         self.pending_reduces: deque[tuple[ParamGroup, FlatBucket]] = deque()
+        self._saving_pushed = False  # our saved-tensor hooks are on the stack
+        self._paused_for: ParamGroup | None = None  # popped during this child's forward
+        self._root_leaves: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def lazy_init(state: FSDPState) -> RootContext:
@@ -98,6 +121,45 @@ class RootContext:
                 # The root's parameters are needed first in backward: keep them.
                 g.reshard_after_forward = g is not state.group
         return ctx
+
+    # ------------------------------------------------------ root's saved tensors
+    # Autograd saves a parameter (a leaf) as the very tensor, which adds no reference to
+    # its storage: ``free_unreferenced`` could not see that, say, the output layer still
+    # needs the root's weight. So while the root's own computation runs (not inside its
+    # children's groups), saved-tensor hooks replace each saved root leaf by a detached
+    # alias, which the storage count does see. Only when no other hooks are active
+    # (activation checkpointing, offloading), and only on top of the hooks stack.
+    def start_saving_hooks(self) -> None:
+        """At the root's pre_forward."""
+        if self._saving_pushed or not torch.is_grad_enabled() or _saved_tensor_hooks_active():
+            return
+        self._root_leaves = {id(p.unsharded): p.unsharded for p in self.root.params}
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+        self._saving_pushed = True
+
+    def pause_saving_hooks(self, group: ParamGroup) -> None:
+        """At a child group's pre_forward: its tensors are none of the root's business."""
+        if self._saving_pushed and self._paused_for is None and self._saving_on_top():
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._paused_for = group
+
+    def end_saving_hooks(self, group: ParamGroup) -> None:
+        """At a group's post_forward (or when its forward raised)."""
+        if group is self._paused_for:
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+            self._paused_for = None
+        elif group is self.root and self._saving_pushed:
+            if self._saving_on_top():
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._saving_pushed = False
+            self._root_leaves = {}
+
+    def _saving_on_top(self) -> bool:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] == self._pack
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if self._root_leaves.get(id(t)) is t else t
 
     # ---------------------------------------------------------------- forward
     def start_iteration(self) -> None:
@@ -137,13 +199,17 @@ class RootContext:
         # Never one whose backward already started (the root): it was gathered then, and
         # if it was freed since (``free_unreferenced``), nothing needs it again.
         if group.backward_prefetch is not None:
-            return [t for t in group.backward_prefetch if t.training_state is not TrainingState.PRE_BACKWARD]
+            return [
+                t
+                for t in group.backward_prefetch
+                if t.training_state is not TrainingState.PRE_BACKWARD and t.unshard_in_backward
+            ]
         i = group.order_index
         if i <= 0 or not self.order_frozen:
             return []
         target = self.forward_order[i - 1]
-        waiting = target.pending_nodes > 0 and target.training_state is not TrainingState.PRE_BACKWARD
-        return [target] if waiting else []
+        waiting = (target.pending_nodes > 0 or target.reduce_at_finalize) and target.unshard_in_backward
+        return [target] if waiting and target.training_state is not TrainingState.PRE_BACKWARD else []
 
     # --------------------------------------------------------------- backward
     def on_backward_start(self) -> None:
@@ -192,12 +258,11 @@ class RootContext:
     def finalize_backward(self) -> None:
         """Phase 5: runs once at the end of each backward over the root's graph."""
         for g in self.groups:
-            # Forward calls whose gradients never arrived, and gradients deposited by
-            # uncounted nodes (a reentrant checkpoint's recompute runs inside backward).
-            unreduced = g.requires_gradient_sync and any(
-                b.has_deposits() and not b.has_pending_reduce() for b in g.buckets
-            )
-            if g.pending_nodes > 0 or unreduced:
+            # Forward calls whose node never ran, gradients that came without one (see
+            # ``reduce_at_finalize``), and any that reached a leaf after its group's
+            # reduce was issued (a use outside the module after its backward).
+            late = g.requires_gradient_sync and g.has_unsharded_grads()
+            if not g.direct and (g.pending_nodes > 0 or g.reduce_at_finalize or late):
                 g.post_backward()
         if self.root.is_last_backward:
             while self.pending_reduces:
@@ -218,11 +283,18 @@ class RootContext:
     def reset(self) -> None:
         """Back to a clean step after an exception in forward or backward."""
         self.pending_reduces.clear()
+        if self._paused_for is not None:
+            self.end_saving_hooks(self._paused_for)
+        self.end_saving_hooks(self.root)
         for g in self.groups:
             g.reset()
         self.in_backward = False
         self.needs_reset = False
         self.active_forwards = 0
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _backward_interrupted(ctx: RootContext) -> bool:

@@ -25,8 +25,8 @@ from ._bucket import CommContext
 from ._buffers import BufferPool
 from ._collectives import cached_group
 from ._group import ParamGroup, ShardState
-from ._param import FSDPParam
-from ._state import FSDPState
+from ._param import FSDPParam, unsharded_owner
+from ._state import FSDPState, RootContext
 from ._state_dict import register_state_dict_hooks, validate_state_dict
 from .api import MixedPrecisionPolicy, OffloadPolicy
 
@@ -106,6 +106,7 @@ def fully_shard(
         _OPTIMIZER_HOOK.append(_optim.register_post_hook())
     for m in modules:
         m.__dict__["_fsdp2_state"] = FSDPState(m, group)
+        m.register_state_dict_pre_hook(functools.partial(_reshard_for_state_dict, weakref.ref(group)))
         m.__class__ = _fsdp_class(type(m))
     return module
 
@@ -129,10 +130,19 @@ class FSDPModule:
         )
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters; with ``async_op`` return a handle to wait on."""
+        """All-gather this module's parameters; with ``async_op`` return a handle to wait on.
+
+        Once gathered, the modules show the unsharded ``nn.Parameter``s until ``reshard()``
+        (or the end of the next backward): code may call inner modules directly, and the
+        gradients it computes on them are reduced at the end of that backward."""
         if not isinstance(async_op, bool):
             raise TypeError(f"unshard(async_op=...) expects a bool, got {type(async_op).__name__}")
-        group = self._fsdp2_state.group
+        state = self._fsdp2_state
+        group = state.group
+        if group.ctx is None:
+            RootContext.lazy_init(state)
+        group.watch_leaves()
+        group.reduce_at_finalize = True  # gradients may come without a forward of ours
         group.unshard()
         handle = UnshardHandle(group)
         if async_op:
@@ -194,6 +204,13 @@ class FSDPModule:
         _check_bool("set_reshard_after_backward", reshard_after_backward)
         for g in self._target_groups(recurse):
             g.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: this module's parameters are not all-gathered for backward, for
+        modules whose backward does not read them (e.g. an embedding: its weight's
+        gradient needs only the indices). Gradients are reduced as usual."""
+        _check_bool("set_unshard_in_backward", unshard_in_backward)
+        self._fsdp2_state.group.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's, in forward."""
@@ -402,9 +419,17 @@ def _remember(registry: dict, key: int, value: Any) -> None:
 
 def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer step pre-hook: refuse to step parameters fully_shard replaced,
+    reshard groups still gathered from before (their gathered copy is about to go stale),
     then step managed parameters on their local shards where that is exact."""
+    gathered: list[ParamGroup] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
+            fp = _managed_by(p)
+            if fp is not None:
+                owner = fp.group()
+                if owner is not None and owner.shard_state is not ShardState.SHARDED and owner not in gathered:
+                    gathered.append(owner)
+                continue
             entry = _REPLACED.get(id(p))
             if entry is not None and entry[0]() is p:
                 raise RuntimeError(
@@ -412,6 +437,17 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                     "fully_shard, which no longer belongs to the model (it trains nothing). Create "
                     "the optimizer after fully_shard: optimizer = Optimizer(model.parameters(), ...)"
                 )
+            leaf_of = unsharded_owner(p)
+            if leaf_of is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds the unsharded parameter {leaf_of.fqn}: the "
+                    "optimizer was created while that module was unsharded (after model.unshard(), "
+                    "or after a forward that kept its parameters gathered), so it steps a temporary "
+                    "copy. Create the optimizer while the model is sharded: call model.reshard() "
+                    "first, then Optimizer(model.parameters(), ...)"
+                )
+    for owner in gathered:
+        owner.reshard_if_idle()
     _optim.pre_step(optimizer, args, kwargs, _managed_by)
 
 
@@ -470,6 +506,14 @@ def _partial_group(mesh: DeviceMesh, factor: int) -> tuple[dist.ProcessGroup, in
         return mine, mesh.get_local_rank() % factor  # position in its block
 
     return cached_group(("partial", ranks, factor), make)
+
+
+def _reshard_for_state_dict(group_ref: weakref.ref, *args: Any) -> None:
+    """``state_dict()`` holds the sharded parameters: a group left gathered between steps
+    (kept after forward, an explicit ``unshard()``) is resharded first."""
+    group = group_ref()
+    if group is not None:
+        group.reshard_if_idle()
 
 
 def _groups_under(module: nn.Module) -> list[ParamGroup]:
