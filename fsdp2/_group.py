@@ -121,6 +121,10 @@ class ParamGroup:
         # there (a forward call without inputs that need grad, a reentrant recompute, an
         # explicit unshard): Phase 5 runs Phase 4. Set alike on every rank.
         self.reduce_at_finalize = False
+        # Gathered by an explicit ``unshard()``: code may compute with the leaves before,
+        # between and after this group's forwards, so it stays gathered (and its reduce
+        # waits) until the end of the next backward or ``reshard()``.
+        self.held_by_user = False
         # Forward calls whose outputs carry a pre_backward hook, and how many fired so far.
         self.hooked_calls = 0
         self.started_backward_calls = 0
@@ -179,6 +183,7 @@ class ParamGroup:
             self.reshard()
 
     def _show_sharded(self, state: ShardState) -> None:
+        self.held_by_user = False
         self.shard_state = state
         for p in self.params:
             p.register_sharded()
@@ -195,7 +200,7 @@ class ParamGroup:
 
     def frees_after_forward(self) -> bool:
         """Its gathered parameters are freed once its forward is done."""
-        return self.reshard_after_forward is True and not self.is_kept_for_backward()
+        return self.reshard_after_forward is True and not self.is_kept_for_backward() and not self.held_by_user
 
     def is_kept_for_backward(self) -> bool:
         """With the default ``reshard_after_forward=None``, the last group to run forward
@@ -311,7 +316,9 @@ class ParamGroup:
         self._forwarded.add(id(module))
         if len(self._forwarded) == len(self.modules):
             self._forwarded.clear()
-            if torch.is_grad_enabled():
+            if self.held_by_user:
+                pass  # gathered by unshard() for the caller's own computations: kept
+            elif torch.is_grad_enabled():
                 self._reshard_after_forward()
                 if self.shard_state is not ShardState.SHARDED:
                     for b in self.buckets:
@@ -358,7 +365,10 @@ class ParamGroup:
             self.ctx.on_backward_start()
         if counted:
             self.pending_nodes -= 1
-            if self.pending_nodes <= 0:
+            # With gradients that may come without a node, e.g. from code that used the
+            # leaves before this call's forward (after ``unshard()``), autograd may still
+            # run that code's backward after this node: Phase 5 does Phase 4.
+            if self.pending_nodes <= 0 and not self.reduce_at_finalize:
                 self.post_backward()
 
     def node_dropped(self, generation: int) -> None:

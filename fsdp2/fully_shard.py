@@ -132,18 +132,23 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters; with ``async_op`` return a handle to wait on.
 
-        Once gathered, the modules show the unsharded ``nn.Parameter``s until ``reshard()``
-        (or the end of the next backward): code may call inner modules directly, and the
-        gradients it computes on them are reduced at the end of that backward."""
+        Once gathered, the modules show the unsharded ``nn.Parameter``s. Called outside
+        any forward, this opens a window for the caller's own computations: the
+        parameters stay gathered (the module's forward does not free them) until
+        ``reshard()`` or the end of the next backward, code may call inner modules
+        directly, and the gradients it computes on them are reduced at the end of that
+        backward. Called during a forward (to prefetch), the module's forward and
+        backward free and reduce as usual."""
         if not isinstance(async_op, bool):
             raise TypeError(f"unshard(async_op=...) expects a bool, got {type(async_op).__name__}")
         state = self._fsdp2_state
         group = state.group
-        if group.ctx is None:
-            RootContext.lazy_init(state)
-        group.watch_leaves()
-        group.reduce_at_finalize = True  # gradients may come without a forward of ours
+        ctx = group.ctx if group.ctx is not None else RootContext.lazy_init(state)
         group.unshard()
+        if not (ctx.active_forwards or ctx.in_backward):
+            group.watch_leaves()  # a gradient into them schedules the end of backward
+            group.held_by_user = True
+            group.reduce_at_finalize = True  # gradients may come without a forward of ours
         handle = UnshardHandle(group)
         if async_op:
             return handle
