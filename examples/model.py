@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -106,15 +107,50 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic initialization that works on full and on sharded parameters."""
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                full = torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * 0.02
-                _copy_full(p, full)
-            cos, sin = rotary_tables(self.args.dim // self.args.n_heads, self.args.max_seq_len, self.args.rope_theta)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+        init_weights(self, seed)
+
+
+class TransformerStage(nn.Module):
+    """Layers ``[start, end)`` of a ``Transformer`` as one pipeline stage, with the token
+    embedding (first stage) and the final norm and output (last stage). Parameter names
+    are the full model's (``layers.3.attention.wqkv.weight``), so checkpoints of a
+    pipelined run and of a plain one have the same keys."""
+
+    def __init__(self, model: Transformer, start: int, end: int) -> None:
+        super().__init__()
+        self.args = model.args
+        first, last = start == 0, end == model.args.n_layers
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.output is not None:
+            h = self.output(self.norm(h))
+        return h
+
+
+def init_weights(module: nn.Module, seed: int = 0) -> None:
+    """Deterministic initialization of a ``Transformer`` or any part of one, sharded or
+    not: each parameter's values depend only on its name (activation checkpoint
+    wrappers aside) and the seed, so a pipeline stage gets what the full model would."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            name = name.replace("._checkpoint_wrapped_module", "")
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * 0.02
+            _copy_full(p, full)
+        args = module.args
+        cos, sin = rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
+        module.rope_cos.copy_(cos)
+        module.rope_sin.copy_(sin)
 
 
 def _copy_full(p: torch.Tensor, full: torch.Tensor) -> None:

@@ -1,10 +1,19 @@
 """Train a small Llama-style transformer with fsdp2.
 
     torchrun --standalone --nproc-per-node 2 examples/train.py
+    torchrun --standalone --nproc-per-node 2 examples/train.py --ac selective   # or --ac full
+    torchrun --standalone --nproc-per-node 4 examples/train.py --pp 2           # pp 2 x dp 2
 
 CPU + gloo by default; GPUs + NCCL when CUDA is available (one GPU per rank).
 Each block is its own fsdp2 group, plus the root (embeddings, final norm, output).
 ``--impl torch`` runs the same script on torch's fully_shard, for comparison.
+
+``--ac full`` wraps each block in ``checkpoint_wrapper`` before ``fully_shard`` (as
+torchtitan does), ``--ac selective`` also saves the matmuls' outputs and recomputes the
+rest. ``--pp N`` splits the blocks into pipeline stages on a (pp N, dp world/N) mesh,
+each stage's blocks and the stage itself sharded over dp, run by ``--pp-schedule``
+(micro-batches: ``--microbatches``); the data-parallel ranks see the same data as a
+plain run on world/N ranks, so the losses agree.
 
 Checkpointing: ``--ckpt-dir DIR --save-every N`` saves model, optimizer, step and RNG
 with torch.distributed.checkpoint into ``DIR/step-NNNNNN`` (written to a temporary
@@ -18,6 +27,7 @@ with the same parameters as an uninterrupted run. ``FSDP2_EXAMPLE_FAIL_AT=K`` ma
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import re
@@ -25,13 +35,21 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model import ModelArgs, Transformer  # noqa: E402
+from model import ModelArgs, Transformer, TransformerStage, init_weights  # noqa: E402
+
+# Schedules with two stages per rank, and which of them place them as a V.
+LOOPED = {"Interleaved1F1B", "ZBVZeroBubble"}
+V_SHAPED = {"ZBVZeroBubble"}
+SPLIT_BACKWARD = {"ZBVZeroBubble"}  # input and weight gradients in two passes
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,6 +65,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 reduce (MixedPrecisionPolicy)")
     p.add_argument("--meta-init", action="store_true", help="build on the meta device, shard, then materialize")
     p.add_argument("--impl", choices=["fsdp2", "torch"], default="fsdp2")
+    p.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="activation checkpointing")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (divides the world size)")
+    p.add_argument("--pp-schedule", choices=["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"], default="1F1B")
+    p.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (divide --batch-size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here and resume from the latest")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (needs --ckpt-dir)")
@@ -54,6 +76,13 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.save_every and not args.ckpt_dir:
         p.error("--save-every needs --ckpt-dir")
+    if args.pp > 1 and args.ac == "selective" and args.pp_schedule in SPLIT_BACKWARD:
+        p.error(f"--ac selective cannot run with {args.pp_schedule}: its split backward runs twice over each "
+                "block, which torch's selective checkpointing refuses; use --ac full or another schedule")
+    stages = args.pp * (2 if args.pp_schedule in LOOPED else 1)
+    if args.pp > 1 and (args.layers % stages or args.batch_size % args.microbatches):
+        p.error(f"--pp {args.pp} with {args.pp_schedule} makes {stages} stages: --layers ({args.layers}) must be "
+                f"a multiple of that, and --batch-size ({args.batch_size}) of --microbatches ({args.microbatches})")
     return args
 
 
@@ -160,28 +189,130 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def main() -> None:
-    args = parse_args()
-    device = setup()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    lib = importlib.import_module("fsdp2" if args.impl == "fsdp2" else "torch.distributed.fsdp")
-    margs = ModelArgs(
-        vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-        hidden_dim=int(8 * args.dim / 3), max_seq_len=args.seq_len,
-    )
+class Trainer(NamedTuple):
+    model: nn.Module  # every parameter this rank holds, under the full model's names
+    train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]  # forward + backward, the loss
+    data_rank: int  # which slice of the data this rank trains on
+
+
+def checkpoint_blocks(model: Transformer, mode: str) -> None:
+    """``--ac``: wrap each block in activation checkpointing before it is sharded."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs: dict[str, Any] = {}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer, **kwargs)
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    saved = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_efficient_attention.default)
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, device: torch.device) -> Trainer:
     with torch.device("meta" if args.meta_init else device):
         model = Transformer(margs)
-    mp = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else lib.MixedPrecisionPolicy()
+    checkpoint_blocks(model, args.ac)
     for layer in model.layers:
         lib.fully_shard(layer, mp_policy=mp)
     lib.fully_shard(model, mp_policy=mp)
     if args.meta_init:
         model.to_empty(device=device)
-    model.init_weights(args.seed)
+    init_weights(model, args.seed)
+
+    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    return Trainer(model, train_step, dist.get_rank())
+
+
+def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, device: torch.device) -> Trainer:
+    """``--pp``: this rank's stages of the model, each sharded over the dp dimension."""
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (args.pp, world // args.pp), mesh_dim_names=("pp", "dp"))
+    PipelineStage = pipelining.PipelineStage
+    if args.impl == "fsdp2":
+        from fsdp2.pipelining import PipelineStage  # reduces once per step, keeps the split backward
+    with torch.device("meta"):  # each rank materializes its own stages only
+        model = Transformer(margs)
+    checkpoint_blocks(model, args.ac)
+    per_rank = 2 if args.pp_schedule in LOOPED else 1
+    count, pp_rank = args.pp * per_rank, mesh["pp"].get_local_rank()
+    mine = [pp_rank, count - 1 - pp_rank] if args.pp_schedule in V_SHAPED else [pp_rank + k * args.pp for k in range(per_rank)]
+    per_stage = args.layers // count
+    modules, stages = [], []
+    for index in mine:
+        module = TransformerStage(model, index * per_stage, (index + 1) * per_stage)
+        for layer in module.layers.values():
+            lib.fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
+        lib.fully_shard(module, mesh=mesh["dp"], mp_policy=mp)
+        module.to_empty(device=device)
+        init_weights(module, args.seed)
+        modules.append(module)
+        stages.append(PipelineStage(module, index, count, device, group=mesh["pp"].get_group()))
+    schedule_cls = getattr(pipelining, f"Schedule{args.pp_schedule}")
+    schedule = schedule_cls(stages if per_rank > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
+    first, last = 0 in mine, count - 1 in mine
+
+    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if last else {}
+        schedule.step(*([inputs] if first else []), **kwargs)
+        return torch.stack(losses).mean() if losses else None  # mean over micro-batches
+
+    return Trainer(_local_model(modules), train_step, mesh["dp"].get_local_rank())
+
+
+def _local_model(stages: list[nn.Module]) -> nn.Module:
+    """One module holding every parameter of this rank's stages under the full model's
+    names, for the optimizer and checkpoints."""
+    local = nn.Module()
+    local.layers = nn.ModuleDict()
+    for stage in stages:
+        for name in ("tok_embeddings", "norm", "output"):
+            if getattr(stage, name) is not None:
+                setattr(local, name, getattr(stage, name))
+        local.layers.update(stage.layers)
+    return local
+
+
+def main() -> None:
+    args = parse_args()
+    device = setup()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % args.pp:
+        raise SystemExit(f"--pp {args.pp} must divide the world size {world}")
+    lib = importlib.import_module("fsdp2" if args.impl == "fsdp2" else "torch.distributed.fsdp")
+    margs = ModelArgs(
+        vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+        hidden_dim=int(8 * args.dim / 3), max_seq_len=args.seq_len,
+    )
+    mp = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else lib.MixedPrecisionPolicy()
+    build = build_pipeline if args.pp > 1 else build_plain
+    model, train_step, data_rank = build(args, margs, lib, mp, device)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"{args.impl}: {n_params / 1e6:.2f}M parameters, world size {world}, device {device.type}", flush=True)
+        print(f"{args.impl}: {n_params / 1e6:.2f}M parameters on rank 0, world size {world}, pp {args.pp}, "
+              f"ac {args.ac}, device {device.type}", flush=True)
     start_step = 0
     if args.ckpt_dir:
         if rank == 0:
@@ -194,18 +325,17 @@ def main() -> None:
                 print(f"resumed from {latest} at step {start_step}", flush=True)
     for step in range(start_step, args.steps):
         maybe_fail(step, args.ckpt_dir)
-        inputs, targets = synthetic_batch(step, rank, args, device)
+        inputs, targets = synthetic_batch(step, data_rank, args, device)
         start = time.perf_counter()
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
+        loss = train_step(inputs, targets)
         optim.step()
         optim.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        shown = f"{loss.item():.4f}" if loss is not None else "  -   "  # pipeline: the last stage has it
         print(
-            f"rank {rank} step {step:3d} loss {loss.item():.4f} step_time {elapsed * 1e3:7.1f} ms "
+            f"rank {rank} data {data_rank} step {step:3d} loss {shown} step_time {elapsed * 1e3:7.1f} ms "
             f"peak_mem {peak_memory_mb(device):8.1f} MB",
             flush=True,
         )

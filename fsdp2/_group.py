@@ -125,6 +125,7 @@ class ParamGroup:
         # between and after this group's forwards, so it stays gathered (and its reduce
         # waits) until the end of the next backward or ``reshard()``.
         self.held_by_user = False
+        self.in_pipeline_stage = False  # run by an ``fsdp2.pipelining`` stage
         # Forward calls whose outputs carry a pre_backward hook, and how many fired so far.
         self.hooked_calls = 0
         self.started_backward_calls = 0
@@ -173,6 +174,12 @@ class ParamGroup:
         for b in self.buckets:
             b.reshard()
         self._show_sharded(ShardState.SHARDED)
+
+    def hold_gathered(self) -> None:
+        """Gather now and stay gathered (forwards do not free) until the next reshard."""
+        self.unshard()
+        self.wait_for_unshard()
+        self.held_by_user = True
 
     def reshard_if_idle(self) -> None:
         """Reshard a group left gathered between steps (kept after a forward no backward

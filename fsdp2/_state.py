@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import deque
 from typing import Any
@@ -107,6 +108,8 @@ class RootContext:
     @staticmethod
     def lazy_init(state: FSDPState) -> RootContext:
         """The first module to run forward is the root: it adopts every group below it."""
+        if not state.group.in_pipeline_stage:
+            _refuse_torch_pipeline_stage()
         groups: list[ParamGroup] = []
         for sub in state.module.modules():
             sub_state = sub.__dict__.get("_fsdp2_state")
@@ -264,6 +267,22 @@ class RootContext:
             late = g.requires_gradient_sync and g.has_unsharded_grads()
             if not g.direct and (g.pending_nodes > 0 or g.reduce_at_finalize or late):
                 g.post_backward()
+        self._commit()
+        self.in_backward = False
+
+    def reduce_accumulated(self) -> None:
+        """End of a gradient accumulation without synchronization driven from outside a
+        backward (``fsdp2.pipelining``: after the last micro-batch): every group reduces
+        what its leaves accumulated, as the end of a backward would, and reshards."""
+        for g in self.groups:
+            g.requires_gradient_sync = g.reshard_after_backward = True
+            if not g.direct:
+                g.post_backward()  # every group on every rank: the same collectives
+        self.root.is_last_backward = True
+        self._commit()
+
+    def _commit(self) -> None:
+        """Wait for the reduces (unless more backwards accumulate first), write ``.grad``."""
         if self.root.is_last_backward:
             while self.pending_reduces:
                 self._finish_oldest_reduce()
@@ -278,7 +297,6 @@ class RootContext:
             if g.reshard_after_backward:
                 g.reshard()
             g.training_state = TrainingState.IDLE
-        self.in_backward = False
 
     def reset(self) -> None:
         """Back to a clean step after an exception in forward or backward."""
@@ -291,6 +309,28 @@ class RootContext:
         self.in_backward = False
         self.needs_reset = False
         self.active_forwards = 0
+
+
+def _refuse_torch_pipeline_stage() -> None:
+    """torch's pipeline stages reduce fsdp2's gradients on every micro-batch and lose the
+    weight gradients of zero-bubble schedules' split backward: refuse to run under one
+    (checked once, at the root's first forward, by the code objects on the stack; the
+    stages of ``fsdp2.pipelining`` mark their groups ``in_pipeline_stage``)."""
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return
+        if frame.f_code.co_filename.endswith(_TORCH_STAGE_FILE):
+            raise RuntimeError(
+                "fsdp2: a fully_shard-ed module runs in a stage of torch.distributed.pipelining, which "
+                "reduces its gradients on every micro-batch and loses weight gradients in zero-bubble "
+                "schedules. Build the stage with fsdp2.pipelining.PipelineStage (same arguments), or "
+                "adapt an existing one with fsdp2.pipelining.adapt_stage(stage)"
+            )
+        frame = frame.f_back
+
+
+_TORCH_STAGE_FILE = os.path.join("torch", "distributed", "pipelining", "stage.py")
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ under ``--max-restarts=1`` all end with the parameters of an uninterrupted run."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -13,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "16", "--batch-size", "2"]
 
 
-def _torchrun(*args: str, env: dict[str, str] | None = None, restarts: int = 0) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def _torchrun(*args: str, env: dict[str, str] | None = None, restarts: int = 0, nproc: int = 2) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            f"--max-restarts={restarts}", os.path.join(ROOT, "examples", "train.py"), *SMALL, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300)
@@ -52,3 +53,31 @@ def test_resume_from_latest_checkpoint(tmp_path) -> None:  # noqa: ANN001
     assert "at step 4" in log
     _torchrun("--steps", "7", "--final-params", clean)
     _same(clean, resumed)
+
+
+def _losses(log: str) -> dict[tuple[int, int], float]:
+    """(data rank, step) -> loss, from the ranks that print one."""
+    found = re.findall(r"data (\d+) step +(\d+) loss +([0-9.]+)", log)
+    return {(int(d), int(s)): float(v) for d, s, v in found}
+
+
+def test_checkpointing_and_pipeline_flags_train_like_the_plain_run() -> None:
+    """``--ac full``, ``--ac selective`` and ``--pp 2`` (4 ranks: pp 2 x dp 2, two
+    schedules) print the plain run's losses: same data per data-parallel rank, same
+    initial weights, the same training."""
+    steps = ["--steps", "3", "--layers", "4"]
+    plain = _losses(_torchrun(*steps))
+    assert len(plain) == 6, plain
+    runs = {
+        "ac full": _torchrun(*steps, "--ac", "full"),
+        "ac selective": _torchrun(*steps, "--ac", "selective"),
+        "pp 1F1B, ac selective": _torchrun(*steps, "--pp", "2", "--microbatches", "2", "--ac", "selective", nproc=4),
+        "pp ZBVZeroBubble, ac full": _torchrun(
+            *steps, "--pp", "2", "--microbatches", "2", "--pp-schedule", "ZBVZeroBubble", "--ac", "full", nproc=4
+        ),
+    }
+    for name, log in runs.items():
+        got = _losses(log)
+        assert got.keys() == plain.keys(), (name, got)
+        for key, loss in plain.items():
+            assert abs(got[key] - loss) < 1e-5, (name, key, got[key], loss)
