@@ -431,7 +431,7 @@ class FlatBucket:
         key = tuple(bool(p.sharded is not None and p.sharded.requires_grad) for p in self.params)
         if self._layout is not None and key == self._layout_key:
             return self._layout
-        if any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params):
+        if any(self._deposited) or self.has_unsharded_grads():
             raise RuntimeError(
                 "requires_grad of a parameter changed while gradients were being accumulated "
                 "without synchronization; change requires_grad only between optimizer steps"
@@ -514,6 +514,18 @@ class FlatBucket:
         """The future of a reduce in storage still running (done once its storage is free)."""
         staged = self._staged
         return staged if staged is not None and not staged.done() else None
+
+    def has_unsharded_grads(self) -> bool:
+        """Some unsharded leaf holds a gradient not yet moved into the reduce input."""
+        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params)
+
+    def deposit_unsharded_grads(self) -> None:
+        """Move the leaves' gradients into the reduce input (adding to earlier ones)."""
+        with torch.no_grad():
+            for p in self.params:
+                grad = p.take_unsharded_grad()
+                if grad is not None:
+                    self.deposit(p, grad)
 
     def deposit(self, p: FSDPParam, grad: torch.Tensor) -> None:
         """Add (or copy, if first) ``p``'s unsharded gradient into the reduce input."""
@@ -711,7 +723,7 @@ class FlatBucket:
             if divide_factor != 1:
                 flat.div_(divide_factor)
             for p in self.params:
-                p.unsharded.grad = None  # type: ignore[union-attr]
+                p.take_unsharded_grad()
                 local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
                 p.sharded.grad = p.grad_dtensor(local, self.comm.mesh)  # type: ignore[union-attr]
             self._remember_flat_grad(flat)

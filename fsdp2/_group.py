@@ -386,7 +386,10 @@ class ParamGroup:
 
     def post_backward(self) -> None:
         """Phase 4: reshard, move the unsharded gradients into the reduce input and issue
-        this group's reduce-scatters."""
+        this group's reduce-scatters. Without synchronization, gradients stay in the
+        leaves, except those computed in a dtype other than the reduce's: they
+        accumulate in the reduce input, in ``reduce_dtype`` (as torch accumulates
+        them), not in ``param_dtype`` micro-batch after micro-batch."""
         self.forget_calls()
         sync = self.requires_gradient_sync and not self.direct
         if self.reshard_after_backward:
@@ -396,18 +399,16 @@ class ParamGroup:
                     b.lend_storage_for_reduce()
             self.reshard()
         self.training_state = TrainingState.IDLE
-        if not sync:
-            return  # the gradients stay in the leaves until a backward that syncs
+        buckets = [b for b in self.buckets if sync or b.reduce_dtype != b.compute_dtype]
+        if self.direct or not buckets:
+            return  # direct: the end of backward hands the gradients over
         assert self.ctx is not None
         self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
-        with torch.no_grad():
-            for p in self.params:
-                grad = p.take_unsharded_grad()
-                if grad is not None:
-                    if p.rs_index < 0:
-                        raise AssertionError(f"fsdp2 internal error: gradient for frozen parameter {p.fqn}")
-                    self._bucket_of[id(p)].deposit(p, grad)
-        for b in self.buckets:
+        for b in buckets:
+            b.deposit_unsharded_grads()
+        if not sync:
+            return
+        for b in buckets:
             if b.has_reduced_params():
                 if self.reshard_after_backward:
                     # Every rank decides alike here, whatever gradients it deposited
@@ -417,7 +418,7 @@ class ParamGroup:
                 self.ctx.add_pending_reduce(self, b)
 
     def has_unsharded_grads(self) -> bool:
-        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params)
+        return any(b.has_unsharded_grads() for b in self.buckets)
 
     def forget_calls(self) -> None:
         """Start counting forward calls afresh; older nodes no longer count."""

@@ -21,24 +21,26 @@ STEPS = 3
 PER_RANK_BATCH = 2
 
 
-def _reference_step(master: torch.nn.Module, world: int, ids: torch.Tensor, targets: torch.Tensor) -> float:
+def _reference_step(master: torch.nn.Module, world: int, ids: torch.Tensor, targets: torch.Tensor, micro: int) -> float:
+    """Each rank's micro-batches' bf16 gradients summed in fp32, averaged over ranks."""
     compute = copy.deepcopy(master).to(torch.bfloat16)
     sums = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
     total = 0.0
     for ids_r, tg_r in zip(ids.chunk(world), targets.chunk(world)):
-        compute.zero_grad()
-        loss = loss_fn(compute(ids_r), tg_r)
-        loss.backward()
-        total += loss.item()
-        for n, p in compute.named_parameters():
-            if p.grad is not None:
-                sums[n] += p.grad.float()
+        for ids_mb, tg_mb in zip(ids_r.chunk(micro), tg_r.chunk(micro)):
+            compute.zero_grad()
+            loss = loss_fn(compute(ids_mb), tg_mb) / micro
+            loss.backward()
+            total += loss.item()
+            for n, p in compute.named_parameters():
+                if p.grad is not None:
+                    sums[n] += p.grad.float()
     for n, p in master.named_parameters():
         p.grad = sums[n] / world
     return total / world
 
 
-def _worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
+def _worker(rank: int, world: int, lib_name: str, micro: int) -> dict[str, Any]:
     lib = impl(lib_name)
     torch.manual_seed(0)
     master = ToyModel(scalar_gate=lib_name == "fsdp2")
@@ -51,16 +53,19 @@ def _worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     ref_opt = torch.optim.AdamW(master.parameters(), lr=0.05, weight_decay=0.1)
     losses = []
     for step in range(STEPS):
-        ids, targets = batch(step, PER_RANK_BATCH * world)
-        logits = model(ids.chunk(world)[rank])
-        assert logits.dtype == torch.bfloat16
-        loss = loss_fn(logits, targets.chunk(world)[rank])
-        loss.backward()
+        ids, targets = batch(step, PER_RANK_BATCH * micro * world)
+        got = torch.zeros(())
+        for mb, (ids_mb, tg_mb) in enumerate(zip(ids.chunk(world)[rank].chunk(micro), targets.chunk(world)[rank].chunk(micro))):
+            model.set_requires_gradient_sync(mb == micro - 1)  # accumulate, then reduce once
+            logits = model(ids_mb)
+            assert logits.dtype == torch.bfloat16
+            loss = loss_fn(logits, tg_mb) / micro
+            loss.backward()
+            got += loss.detach()
         for p in model.parameters():
             assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
-        got = loss.detach().clone()
         torch.distributed.all_reduce(got)
-        want = _reference_step(master, world, ids, targets)
+        want = _reference_step(master, world, ids, targets, micro)
         losses.append((got.item() / world, want))
         opt.step()
         ref_opt.step()
@@ -73,14 +78,25 @@ def _worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
 
 
 @functools.cache
-def _results(world: int, lib_name: str) -> dict[str, Any]:
-    return run_ranks(_worker, world, lib_name)[0]
+def _results(world: int, lib_name: str, micro: int = 1) -> dict[str, Any]:
+    return run_ranks(_worker, world, lib_name, micro)[0]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("lib_name", ["fsdp2", "torch"])
 def test_bf16_compute_fp32_reduce_matches_local(world: int, lib_name: str) -> None:
     result = _results(world, lib_name)
+    for got, want in result["losses"]:
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-6)
+    worst = max(result["errors"].values())
+    assert worst <= 1e-6, result["errors"]
+
+
+@pytest.mark.parametrize("lib_name", ["fsdp2", "torch"])
+def test_accumulating_without_sync_sums_in_the_reduce_dtype(lib_name: str) -> None:
+    """Eight micro-batches accumulated with ``set_requires_gradient_sync(False)``: their
+    bf16 gradients are summed in fp32, not in bf16."""
+    result = _results(2, lib_name, 8)
     for got, want in result["losses"]:
         assert got == pytest.approx(want, rel=1e-6, abs=1e-6)
     worst = max(result["errors"].values())
