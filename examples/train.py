@@ -86,13 +86,21 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+# Optimizer state keyed by parameter names, not positions: pipeline ranks hold different
+# parameters, and position-keyed groups would overwrite each other in the checkpoint.
+def _state_dict_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def checkpoint_state(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     rank = dist.get_rank()
     return {
         "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optim),
+        "optim": get_optimizer_state_dict(model, optim, options=_state_dict_options()),
         "progress": {"step": step},  # the data position: batches are a function of the step
         f"rng_rank{rank}": torch.get_rng_state(),
     }
@@ -129,7 +137,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, optim: torch.optim.Optimi
     state = checkpoint_state(model, optim, -1)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optim, state["optim"])
+    set_optimizer_state_dict(model, optim, state["optim"], options=_state_dict_options())
     torch.set_rng_state(state[f"rng_rank{dist.get_rank()}"])
     return int(state["progress"]["step"]) + 1
 
@@ -294,6 +302,20 @@ def _local_model(stages: list[nn.Module]) -> nn.Module:
     return local
 
 
+def save_full_params(model: nn.Module, path: str, pp: int) -> None:
+    """Rank 0 saves every parameter, unsharded, under the full model's names (with
+    ``--pp``, each pipeline rank's stages gathered to rank 0)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=pp == 1))
+    if pp > 1:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in full.items()})
+        full = {k: part[k] for part in parts for k in sorted(part)}
+    if dist.get_rank() == 0:
+        torch.save(dict(sorted(full.items())) if pp > 1 else full, path)
+
+
 def main() -> None:
     args = parse_args()
     device = setup()
@@ -342,11 +364,7 @@ def main() -> None:
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(args.ckpt_dir, model, optim, step)
     if args.final_params:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, args.final_params)
+        save_full_params(model, args.final_params, args.pp)
     dist.barrier()
     dist.destroy_process_group()
     # torch 2.13's gloo worker threads can still hold async work objects when the

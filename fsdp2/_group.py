@@ -261,16 +261,6 @@ class ParamGroup:
         for b in self.buckets:
             b.rebind()
 
-    def watch_leaves(self) -> None:
-        """After an explicit ``unshard()`` code may compute with the leaves outside any
-        module of ours: a gradient accumulating into one schedules Phase 5."""
-        for p in self.params:
-            p.watch_accumulation(self)
-
-    def on_accumulated(self) -> None:
-        if self.ctx is not None:
-            self.ctx.on_backward_start()
-
     # -------------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.ctx
@@ -430,13 +420,13 @@ class ParamGroup:
 
     def is_unreferenced_in_backward(self) -> bool:
         """The root (whose gradients wait for the end of backward) is still gathered, every
-        forward call's backward started and no tensor outside the group shares its
-        storage any more: nothing autograd saved can read it, e.g. after the output
-        layer's backward, while every block's backward lies ahead. Autograd saves a leaf
-        itself, which no storage count sees: the root's own computation saves detached
-        aliases instead (``RootContext.start_saving_hooks``). Not after a forward under
-        other saved-tensor hooks (a checkpoint recompute would need the parameters again
-        without holding them now)."""
+        forward call's backward started, and nothing can read its parameters any more:
+        no tensor autograd saved or a custom Function kept refers to a leaf, and no view
+        of the storage exists outside the buckets; e.g. after the output layer's
+        backward, while every block's backward lies ahead. Not after a forward under
+        saved-tensor hooks (activation checkpointing, offloading: autograd holds nothing
+        now that a recompute will need); a root-owned module recomputed later gathers
+        the root again (``RootContext.regather_root``)."""
         return (
             self.ctx is not None
             and self is self.ctx.root
@@ -446,6 +436,7 @@ class ParamGroup:
             and self.shard_state is ShardState.UNSHARDED
             and self.reshard_after_backward
             and all(b.is_unsharded_unreferenced() for b in self.buckets)
+            and all(p.is_unheld() for p in self.params)
         )
 
     def divide_factor(self) -> float:

@@ -16,6 +16,7 @@ replicated (``Replicate()``) and their gradients are summed over ranks.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from typing import Any
 
@@ -37,7 +38,8 @@ def unsharded_owner(t: torch.Tensor) -> FSDPParam | None:
 
 
 class FSDPParam:
-    """Shape bookkeeping of one parameter and its sharded ``nn.Parameter``."""
+    """Shape bookkeeping of one parameter, its sharded ``nn.Parameter`` and its unsharded
+    leaf."""
 
     def __init__(
         self,
@@ -69,7 +71,8 @@ class FSDPParam:
         self.group: Any = lambda: None  # weak reference to the ParamGroup holding it
         self.sharded: nn.Parameter | None = None
         self.unsharded: nn.Parameter | None = None  # the unsharded leaf (set by the bucket)
-        self._watch: Any = None  # its post-accumulate-grad hook's handle
+        self._grad_acc: Any = None  # its AccumulateGrad node, held (``_settle_holders``)
+        self._quiet_holders = (-1, 0)
         self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
@@ -114,16 +117,45 @@ class FSDPParam:
         assert leaf is not None and sharded is not None, "fsdp2 internal error: no unsharded parameter"
         if leaf.requires_grad != sharded.requires_grad:
             leaf.requires_grad_(sharded.requires_grad)
+            self._settle_holders()
         self.register(leaf)
 
     def set_unsharded(self, view: torch.Tensor) -> None:
         """A new unsharded leaf over ``view`` (at build time and after ``rebind``)."""
         requires_grad = self.sharded.requires_grad if self.sharded is not None else False
-        if self._watch is not None:
-            self._watch.remove()
-            self._watch = None
         self.unsharded = nn.Parameter(view, requires_grad=requires_grad)
         _LEAF_OWNER[id(self.unsharded)] = self
+        self._settle_holders()
+
+    def _settle_holders(self) -> None:
+        """Hold the leaf's AccumulateGrad node (so every graph uses this one, and its
+        references are a constant) and note how many references the leaf has while
+        nothing but fsdp2 holds it, before any module registers it."""
+        leaf = self.unsharded
+        assert leaf is not None
+        self._grad_acc = None
+        if leaf.requires_grad:
+            with torch.enable_grad():  # may run inside backward, where grad mode is off
+                self._grad_acc = leaf.view_as(leaf).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        del leaf  # counted by ``_holders`` otherwise
+        self._quiet_holders = self._holders()
+
+    def _holders(self) -> tuple[int, int]:
+        """(C++ references to the leaf's tensor, Python references to the leaf). A tensor
+        autograd saved adds to the first, an attribute a custom Function keeps on its
+        ``ctx`` to the second."""
+        leaf = self.unsharded
+        use_count = getattr(leaf, "_use_count", None)
+        return (use_count() if use_count is not None else -1), sys.getrefcount(leaf)
+
+    def is_unheld(self) -> bool:
+        """Nothing but fsdp2 and the owner modules holds the unsharded leaf: no tensor
+        autograd saved, no autograd context, no other Python reference; so nothing can
+        read it through the leaf itself (views of its storage are counted apart, by the
+        bucket). Conservative where this build of torch cannot tell."""
+        impl, py = self._holders()
+        quiet_impl, quiet_py = self._quiet_holders
+        return quiet_impl >= 0 and impl <= quiet_impl and py <= quiet_py + len(self.owners)
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """The gradient accumulated in the unsharded leaf, which is cleared."""
@@ -132,20 +164,6 @@ class FSDPParam:
         if grad is not None:
             leaf.grad = None  # type: ignore[union-attr]
         return grad
-
-    def watch_accumulation(self, group: Any) -> None:
-        """Call ``group.on_accumulated()`` after each accumulation into the leaf
-        (installed once; weak references, so the hook keeps neither alive)."""
-        if self._watch is not None or self.unsharded is None or not self.unsharded.requires_grad:
-            return
-        owner = weakref.ref(group)
-
-        def hook(_: torch.Tensor) -> None:
-            target = owner()
-            if target is not None:
-                target.on_accumulated()
-
-        self._watch = self.unsharded.register_post_accumulate_grad_hook(hook)
 
 
 def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:

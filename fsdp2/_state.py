@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import weakref
 from collections import deque
 from typing import Any
 
@@ -13,7 +15,7 @@ from torch.autograd import Variable
 
 from . import _optim
 from ._bucket import FlatBucket
-from ._group import ParamGroup, ShardState, TrainingState, _saved_tensor_hooks_active
+from ._group import ParamGroup, ShardState, TrainingState
 
 # Reduce-scatters allowed in flight before the oldest is waited for: bounds the
 # pooled reduce buffers alive at once (each holds a full unsharded gradient) while
@@ -50,8 +52,6 @@ class FSDPState:
         ctx = group.ctx
         if ctx is not None and ctx.in_backward:
             return
-        if ctx is not None:
-            ctx.end_saving_hooks(group)
         if group.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL):
             group.reshard()
         if ctx is not None:
@@ -61,20 +61,13 @@ class FSDPState:
         ctx = self.group.ctx
         if ctx is None:
             ctx = RootContext.lazy_init(self)
-        is_root = ctx.root is self.group
-        if is_root:
+        if ctx.root is self.group:
             if _optim._ACTIVE:
                 _optim.repair_all()  # an optimizer step raised midway
             ctx.start_iteration()
-        if ctx.in_backward:  # a recompute, which may stop early without its post_forward
-            return self.group.pre_forward(self.module, args, kwargs)
-        ctx.active_forwards += 1
-        if not is_root:
-            ctx.pause_saving_hooks(self.group)
-        args, kwargs = self.group.pre_forward(self.module, args, kwargs)
-        if is_root:
-            ctx.start_saving_hooks()
-        return args, kwargs
+        if not ctx.in_backward:  # a recompute may stop early, without its post_forward
+            ctx.active_forwards += 1
+        return self.group.pre_forward(self.module, args, kwargs)
 
     def post_forward(self, output: Any) -> Any:
         ctx = self.group.ctx
@@ -82,7 +75,6 @@ class FSDPState:
         if ctx.in_backward:
             return self.group.post_forward(self.module, output)
         ctx.active_forwards -= 1
-        ctx.end_saving_hooks(self.group)
         output = self.group.post_forward(self.module, output)
         if ctx.root is self.group:
             ctx.end_forward()
@@ -101,9 +93,6 @@ class RootContext:
         self.forward_order: list[ParamGroup] = []
         self.order_frozen = False
         self.pending_reduces: deque[tuple[ParamGroup, FlatBucket]] = deque()
-        self._saving_pushed = False  # our saved-tensor hooks are on the stack
-        self._paused_for: ParamGroup | None = None  # popped during this child's forward
-        self._root_leaves: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def lazy_init(state: FSDPState) -> RootContext:
@@ -116,6 +105,7 @@ class RootContext:
             if sub_state is not None and sub_state.group not in groups and sub_state.group.ctx is None:
                 groups.append(sub_state.group)
         ctx = RootContext(state.group, groups)
+        ctx.watch_root_modules()
         fqns = {id(m): name for name, m in state.module.named_modules()}
         for g in groups:
             g.ctx = ctx
@@ -125,44 +115,24 @@ class RootContext:
                 g.reshard_after_forward = g is not state.group
         return ctx
 
-    # ------------------------------------------------------ root's saved tensors
-    # Autograd saves a parameter (a leaf) as the very tensor, which adds no reference to
-    # its storage: ``free_unreferenced`` could not see that, say, the output layer still
-    # needs the root's weight. So while the root's own computation runs (not inside its
-    # children's groups), saved-tensor hooks replace each saved root leaf by a detached
-    # alias, which the storage count does see. Only when no other hooks are active
-    # (activation checkpointing, offloading), and only on top of the hooks stack.
-    def start_saving_hooks(self) -> None:
-        """At the root's pre_forward."""
-        if self._saving_pushed or not torch.is_grad_enabled() or _saved_tensor_hooks_active():
-            return
-        self._root_leaves = {id(p.unsharded): p.unsharded for p in self.root.params}
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
-        self._saving_pushed = True
+    def watch_root_modules(self) -> None:
+        """Modules that own the root's parameters below it get a forward pre-hook: one run
+        in backward (an activation checkpoint's recompute) after the root was freed early
+        (``free_unreferenced``) gathers it again (``regather_root``)."""
+        hosts = {id(m) for m in self.root.modules}
+        seen: set[int] = set()
+        me = weakref.ref(self)
+        for p in self.root.params:
+            for module, _ in p.owners:
+                if id(module) not in hosts and id(module) not in seen:
+                    seen.add(id(module))
+                    module.register_forward_pre_hook(functools.partial(_regather_root, me))
 
-    def pause_saving_hooks(self, group: ParamGroup) -> None:
-        """At a child group's pre_forward: its tensors are none of the root's business."""
-        if self._saving_pushed and self._paused_for is None and self._saving_on_top():
-            torch._C._autograd._pop_saved_tensors_default_hooks()
-            self._paused_for = group
-
-    def end_saving_hooks(self, group: ParamGroup) -> None:
-        """At a group's post_forward (or when its forward raised)."""
-        if group is self._paused_for:
-            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
-            self._paused_for = None
-        elif group is self.root and self._saving_pushed:
-            if self._saving_on_top():
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-            self._saving_pushed = False
-            self._root_leaves = {}
-
-    def _saving_on_top(self) -> bool:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return top is not None and top[0] == self._pack
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach() if self._root_leaves.get(id(t)) is t else t
+    def regather_root(self) -> None:
+        root = self.root
+        if self.in_backward and root.training_state is TrainingState.PRE_BACKWARD and root.shard_state is ShardState.SHARDED:
+            root.unshard()  # every rank recomputes alike: the same all-gather
+            root.wait_for_unshard()
 
     # ---------------------------------------------------------------- forward
     def start_iteration(self) -> None:
@@ -294,6 +264,7 @@ class RootContext:
                         b.commit_direct(g.divide_factor())
             for b in g.buckets:
                 b.commit_grads()
+            g.held_by_user = False  # an unshard() window ends with the backward
             if g.reshard_after_backward:
                 g.reshard()
             g.training_state = TrainingState.IDLE
@@ -301,9 +272,6 @@ class RootContext:
     def reset(self) -> None:
         """Back to a clean step after an exception in forward or backward."""
         self.pending_reduces.clear()
-        if self._paused_for is not None:
-            self.end_saving_hooks(self._paused_for)
-        self.end_saving_hooks(self.root)
         for g in self.groups:
             g.reset()
         self.in_backward = False
@@ -333,8 +301,10 @@ def _refuse_torch_pipeline_stage() -> None:
 _TORCH_STAGE_FILE = os.path.join("torch", "distributed", "pipelining", "stage.py")
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _regather_root(ctx_ref: weakref.ref, module: nn.Module, args: Any) -> None:
+    ctx = ctx_ref()
+    if ctx is not None:
+        ctx.regather_root()
 
 
 def _backward_interrupted(ctx: RootContext) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, overload
@@ -24,9 +25,9 @@ from . import _classes, _optim
 from ._bucket import CommContext
 from ._buffers import BufferPool
 from ._collectives import cached_group
-from ._group import ParamGroup, ShardState
+from ._group import ParamGroup, ShardState, TrainingState
 from ._param import FSDPParam, unsharded_owner
-from ._state import FSDPState, RootContext
+from ._state import FSDPState
 from ._state_dict import register_state_dict_hooks, validate_state_dict
 from .api import MixedPrecisionPolicy, OffloadPolicy
 
@@ -106,7 +107,8 @@ def fully_shard(
         _OPTIMIZER_HOOK.append(_optim.register_post_hook())
     for m in modules:
         m.__dict__["_fsdp2_state"] = FSDPState(m, group)
-        m.register_state_dict_pre_hook(functools.partial(_reshard_for_state_dict, weakref.ref(group)))
+        m.register_state_dict_pre_hook(functools.partial(_show_sharded_for_state_dict, weakref.ref(group)))
+        m.register_state_dict_post_hook(functools.partial(_show_current_after_state_dict, weakref.ref(group)))
         m.__class__ = _fsdp_class(type(m))
     return module
 
@@ -141,12 +143,10 @@ class FSDPModule:
         backward free and reduce as usual."""
         if not isinstance(async_op, bool):
             raise TypeError(f"unshard(async_op=...) expects a bool, got {type(async_op).__name__}")
-        state = self._fsdp2_state
-        group = state.group
-        ctx = group.ctx if group.ctx is not None else RootContext.lazy_init(state)
+        group = self._fsdp2_state.group
+        ctx = group.ctx  # None before the first forward (which makes the root)
         group.unshard()
-        if not (ctx.active_forwards or ctx.in_backward):
-            group.watch_leaves()  # a gradient into them schedules the end of backward
+        if ctx is None or not (ctx.active_forwards or ctx.in_backward):
             group.held_by_user = True
             group.reduce_at_finalize = True  # gradients may come without a forward of ours
         handle = UnshardHandle(group)
@@ -156,8 +156,12 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free the unsharded parameters (a no-op when already sharded)."""
-        self._fsdp2_state.group.reshard()
+        """Free the unsharded parameters (a no-op when already sharded); ends the window
+        an ``unshard()`` outside a forward opened."""
+        group = self._fsdp2_state.group
+        group.reshard()
+        if group.training_state is TrainingState.IDLE and not (group.ctx is not None and group.ctx.in_backward):
+            group.reduce_at_finalize = False
 
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward: reshard everything and drop
@@ -427,6 +431,7 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     reshard groups still gathered from before (their gathered copy is about to go stale),
     then step managed parameters on their local shards where that is exact."""
     gathered: list[ParamGroup] = []
+    unreduced: list[str] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             fp = _managed_by(p)
@@ -434,6 +439,8 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                 owner = fp.group()
                 if owner is not None and owner.shard_state is not ShardState.SHARDED and owner not in gathered:
                     gathered.append(owner)
+                if fp.unsharded.grad is not None and owner is not None and owner.requires_gradient_sync:  # type: ignore[union-attr]
+                    unreduced.append(fp.fqn)
                 continue
             entry = _REPLACED.get(id(p))
             if entry is not None and entry[0]() is p:
@@ -451,6 +458,14 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                     "copy. Create the optimizer while the model is sharded: call model.reshard() "
                     "first, then Optimizer(model.parameters(), ...)"
                 )
+    if unreduced:
+        warnings.warn(
+            f"fsdp2: {len(unreduced)} unsharded parameter(s) ({', '.join(unreduced[:3])}, ...) hold gradients "
+            "that no backward of the model reduced yet, so this step does not see them: they came from a "
+            "backward that ran none of the model's fully_shard modules (after unshard()). They are reduced "
+            "with the next backward of the model; run that backward before optimizer.step()",
+            stacklevel=3,
+        )
     for owner in gathered:
         owner.reshard_if_idle()
     _optim.pre_step(optimizer, args, kwargs, _managed_by)
@@ -513,12 +528,21 @@ def _partial_group(mesh: DeviceMesh, factor: int) -> tuple[dist.ProcessGroup, in
     return cached_group(("partial", ranks, factor), make)
 
 
-def _reshard_for_state_dict(group_ref: weakref.ref, *args: Any) -> None:
-    """``state_dict()`` holds the sharded parameters: a group left gathered between steps
-    (kept after forward, an explicit ``unshard()``) is resharded first."""
+def _show_sharded_for_state_dict(group_ref: weakref.ref, *args: Any) -> None:
+    """``state_dict()`` holds the sharded parameters, also of a group that is gathered
+    (kept after forward, an explicit ``unshard()``): they are shown for its duration,
+    without resharding, which would take a collective to undo on this rank alone."""
     group = group_ref()
     if group is not None:
-        group.reshard_if_idle()
+        for p in group.params:
+            p.register_sharded()
+
+
+def _show_current_after_state_dict(group_ref: weakref.ref, *args: Any) -> None:
+    group = group_ref()
+    if group is not None and group.shard_state is ShardState.UNSHARDED:
+        for p in group.params:
+            p.register_unsharded()
 
 
 def _groups_under(module: nn.Module) -> list[ParamGroup]:

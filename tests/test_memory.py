@@ -156,6 +156,86 @@ def test_frozen_root_parameters_saved_by_autograd_stay_gathered() -> None:
     assert all(run_ranks(_second_step_grads_worker, 2, FrozenRootBetweenBlocks))
 
 
+class _HeldOnCtx(torch.autograd.Function):
+    """``x * w`` keeping ``w`` itself as a ``ctx`` attribute (not saved for backward), as
+    custom kernels sometimes do: no saved tensor and no storage view shows it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.w = w
+        ctx.save_for_backward(x)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        return grad * ctx.w, (grad * x).flatten(0, -2).sum(0)
+
+
+class RootHeldOnCtx(EarlyRootUse):
+    """The root's scale, right after the embedding, kept on an autograd ``ctx``."""
+
+    def __init__(self) -> None:
+        super().__init__(alias=False)
+
+    def forward(self, ids: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        x = _HeldOnCtx.apply(self.emb(ids), self.scale)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.extra(x))
+
+
+class _BlockUsingShared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, shared: nn.Module) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) + shared(x)
+
+
+class RootModuleInBlocks(ToyModel):
+    """A LayerNorm of the root's called inside each block's forward (it saves its weight
+    for backward, read at the very end of backward by the first block)."""
+
+    def __init__(self) -> None:
+        super().__init__(n_blocks=0, tie=False)
+        self.shared = nn.LayerNorm(6)
+        with torch.no_grad():
+            self.shared.weight.uniform_(0.5, 1.5)
+        self.blocks = nn.ModuleList(_BlockUsingShared() for _ in range(3))
+
+    def forward(self, ids: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x, self.shared)
+        return self.head(x)
+
+
+class RootLayerCheckpointed(ToyModel):
+    """The root's own layer under activation checkpointing before the blocks: its
+    recompute, at the end of backward, needs the root's parameters again."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__(n_blocks=2, tie=False)
+        self.reentrant = reentrant
+
+    def forward(self, ids: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        x = torch.utils.checkpoint.checkpoint(self.extra, self.emb(ids), use_reentrant=self.reentrant)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_root_parameters_held_or_recomputed_outside_its_hooks_stay_readable() -> None:
+    """Held on an autograd ``ctx``, used by a module called inside other groups' forwards,
+    or recomputed by a checkpoint after the root was freed: gradients equal local
+    training (a read of freed storage would raise or give garbage)."""
+    for model_cls, args in ((RootHeldOnCtx, ()), (RootModuleInBlocks, ()), (RootLayerCheckpointed, (False,)),
+                            (RootLayerCheckpointed, (True,))):
+        assert all(run_ranks(_second_step_grads_worker, 2, model_cls, *args)), model_cls
+
+
 class Mlp(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -126,6 +126,47 @@ def _unshard_in_backward(lib: Any, rank: int, world: int, unshard_in_backward: b
     return counter.calls["all_gather"], worst
 
 
+def _window_edges(rank: int, world: int) -> dict[str, Any]:
+    """The unsharded window's edges, each of which once hung, split the model or left
+    state behind."""
+    import warnings
+
+    import fsdp2
+
+    torch.manual_seed(0)
+    ref = ToyModel(scalar_gate=False).double()
+    model = _shard(fsdp2, copy.deepcopy(ref))
+    groups = [m._fsdp2_state.group for m in (model, *model.blocks)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    out: dict[str, Any] = {}
+    # A block unsharded and resharded before the first forward (to look at its weights):
+    # it joins the root's context and leaves nothing behind.
+    model.blocks[1].unshard()
+    model.blocks[1].reshard()
+    ids, tg = batch(0, 2 * world)
+    model(ids.chunk(world)[rank]).sum()  # a forward with grad and no backward: root kept gathered
+    out["one_context"] = all(g.ctx is groups[0].ctx for g in groups)
+    out["nothing_left_after_reshard"] = not (groups[2].held_by_user or groups[2].reduce_at_finalize)
+    # state_dict() on one rank only while the root is gathered: no collective, so the
+    # next backward issues the same collectives on every rank.
+    if rank == 0:
+        out["state_dict_sharded"] = all(isinstance(v, DTensor) for v in model.state_dict().values())
+    out["still_shows_gathered"] = type(model.head.weight) is nn.Parameter
+    # A backward on one rank only, through the root's unsharded parameters: nothing to
+    # reduce then (no hang); the next step warns that those gradients came late.
+    model.zero_grad()
+    model.unshard()
+    if rank == 0:
+        model.extra(torch.randn(3, 6, dtype=torch.float64)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    out["warned_late"] = any("no backward of the model reduced" in str(w.message) for w in caught) == (rank == 0)
+    loss_fn(model(ids.chunk(world)[rank]), tg.chunk(world)[rank]).backward()
+    out["trained_after"] = all(p.grad is not None for p in model.parameters())
+    return out
+
+
 def _worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     lib = impl(lib_name)
     out: dict[str, Any] = {}
@@ -136,6 +177,7 @@ def _worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     if lib_name == "fsdp2":  # torch's forward frees what unshard() gathered: no window to test
         out["direct_calls_every_rank"] = _direct_calls(lib, rank, world, only_rank0=False)
         out["direct_calls_rank0_only"] = _direct_calls(lib, rank, world, only_rank0=True)
+        out["edges"] = _window_edges(rank, world)
     return out
 
 
@@ -172,3 +214,8 @@ def test_set_unshard_in_backward(lib_name: str) -> None:
         without, worst_without = out["gathers_no_unshard_in_backward"]
         assert without == with_gather - 1, out
         assert worst_with < 1e-12 and worst_without < 1e-12, out
+
+
+def test_the_window_edges_hang_nothing_and_leave_nothing() -> None:
+    for out in _results("fsdp2"):
+        assert all(out["edges"].values()), out["edges"]
