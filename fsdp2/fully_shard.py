@@ -430,17 +430,12 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     """Global optimizer step pre-hook: refuse to step parameters fully_shard replaced,
     reshard groups still gathered from before (their gathered copy is about to go stale),
     then step managed parameters on their local shards where that is exact."""
-    gathered: list[ParamGroup] = []
-    unreduced: list[str] = []
+    owners: set[weakref.ref] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
             fp = _managed_by(p)
             if fp is not None:
-                owner = fp.group()
-                if owner is not None and owner.shard_state is not ShardState.SHARDED and owner not in gathered:
-                    gathered.append(owner)
-                if fp.unsharded.grad is not None and owner is not None and owner.requires_gradient_sync:  # type: ignore[union-attr]
-                    unreduced.append(fp.fqn)
+                owners.add(fp.group)
                 continue
             entry = _REPLACED.get(id(p))
             if entry is not None and entry[0]() is p:
@@ -458,6 +453,9 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                     "copy. Create the optimizer while the model is sharded: call model.reshard() "
                     "first, then Optimizer(model.parameters(), ...)"
                 )
+    groups = [g for g in (ref() for ref in owners) if g is not None]
+    gathered = [g for g in groups if g.shard_state is not ShardState.SHARDED]
+    unreduced = [p.fqn for g in groups if g.requires_gradient_sync for p in g.params if p.unsharded.grad is not None]  # type: ignore[union-attr]
     if unreduced:
         warnings.warn(
             f"fsdp2: {len(unreduced)} unsharded parameter(s) ({', '.join(unreduced[:3])}, ...) hold gradients "

@@ -156,7 +156,7 @@ def test_frozen_root_parameters_saved_by_autograd_stay_gathered() -> None:
     assert all(run_ranks(_second_step_grads_worker, 2, FrozenRootBetweenBlocks))
 
 
-class _HeldOnCtx(torch.autograd.Function):
+class _HeldOnCtx(_DetachedScale):
     """``x * w`` keeping ``w`` itself as a ``ctx`` attribute (not saved for backward), as
     custom kernels sometimes do: no saved tensor and no storage view shows it."""
 
@@ -165,11 +165,6 @@ class _HeldOnCtx(torch.autograd.Function):
         ctx.w = w
         ctx.save_for_backward(x)
         return x * w
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (x,) = ctx.saved_tensors
-        return grad * ctx.w, (grad * x).flatten(0, -2).sum(0)
 
 
 class RootHeldOnCtx(EarlyRootUse):
