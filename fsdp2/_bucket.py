@@ -46,7 +46,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from ._buffers import BufferPool
 from ._collectives import (
@@ -63,6 +62,7 @@ from ._collectives import (
     wait_future,
     wait_pending,
 )
+from ._mesh import MeshInfo
 from ._param import FSDPParam
 
 # Buckets of at least this many bytes, on at least this many ranks, gather and reduce
@@ -73,19 +73,6 @@ from ._param import FSDPParam
 IN_PLACE_MIN_BYTES = int(os.environ.get("FSDP2_IN_PLACE_MIN_BYTES", str(1 << 20)))
 IN_PLACE_MIN_WORLD = int(os.environ.get("FSDP2_IN_PLACE_MIN_WORLD", "3"))
 GATHER_IN_PLACE = True
-
-
-class CommContext(NamedTuple):
-    """What a bucket needs to communicate, shared by all buckets of a group."""
-
-    mesh: DeviceMesh
-    group: dist.ProcessGroup
-    rank: int
-    world: int
-    pool: BufferPool
-    # gloo: pooled reduces run as an all-to-all plus a local sum, large buckets may
-    # gather and reduce in place (both faster than gloo's all-gather/reduce-scatter).
-    on_gloo: bool
 
 
 class ReduceLayout(NamedTuple):
@@ -106,7 +93,7 @@ class FlatBucket:
         self,
         params: list[FSDPParam],
         originals: list[torch.Tensor],
-        comm: CommContext,
+        comm: MeshInfo,
         device: torch.device,
         compute_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
@@ -149,6 +136,10 @@ class FlatBucket:
         # Its staged gradients, taken out as soon as the reduce completes (``then``).
         self._staged: torch.futures.Future | None = None
         self._divide_factor = 1.0
+        self._all_reduce = True
+        # HSDP with ``set_requires_all_reduce(False)``: this rank's reduced row, summed over
+        # the shard ranks only, waiting for the next backward that all-reduces.
+        self._unreplicated: torch.Tensor | None = None
         # Weak references to (flat tensor, the gradient DTensors over it in ``params``
         # order) from the last commit that gave every parameter a fresh gradient laid out
         # like the shards: the optimizer can step on it while each ``.grad`` is still one
@@ -168,12 +159,12 @@ class FlatBucket:
                 if device.type != "meta" and orig.device.type != "meta":
                     local.copy_(p.local_chunk(orig.detach()))
                 p.sharded = torch.nn.Parameter(
-                    p.to_dtensor(local, self.comm.mesh), requires_grad=orig.requires_grad
+                    p.to_dtensor(local), requires_grad=orig.requires_grad
                 )
         self._allocate_unsharded()
 
     def _allocate_unsharded(self) -> None:
-        world = self.comm.world
+        world = self.comm.shard_size
         numel = world * self.shard_numel + len(self.scalars)
         # On one rank without a dtype change both layouts coincide: the unsharded
         # parameters are the shards themselves, and unshard/reshard do nothing.
@@ -186,10 +177,11 @@ class FlatBucket:
             and self.sharded_flat.device.type == "cpu"  # the copy-out runs on gloo's thread
             and self.comm.on_gloo
             and self.compute_dtype.is_floating_point
+            and self.blocks_are_the_values
             and world * self.shard_numel * self.compute_dtype.itemsize >= IN_PLACE_MIN_BYTES
         )
         self.gather_in_place = self.in_place and GATHER_IN_PLACE
-        self._gather_group = gather_group(self.comm.group) if self.gather_in_place else None
+        self._gather_group = gather_group(self.comm.shard_group) if self.gather_in_place else None
         # Room after the parameters for the reduce's "used" flags, one per parameter.
         extra = len(self.params) if self.in_place else 0
         if self.gather_is_identity:
@@ -201,19 +193,19 @@ class FlatBucket:
         # Writes go through ``.data``, which has its own version counter: re-gathering
         # in backward must not look like an in-place change to the views autograd saved.
         self._unsharded_write = flat.data
-        self._copy_out = [
+        # Each sharded parameter's ``W x shard_numel`` region of the unsharded storage:
+        # where the gathered blocks land, and in place where each rank's shard goes.
+        self._regions = [
             self._unsharded_write[world * p.offset : world * (p.offset + p.shard_numel)].view(
                 world, p.shard_numel
             )
             for p in self.sharded_params
         ]
         self.unsharded_views = [self._unsharded_view(flat, p) for p in self.params]
-        # In place: where this rank's shard goes in the gather, and where each gradient
-        # goes for the reduce (the parameter's own place; written through ``.data``).
-        self._own_rows = [v[self.comm.rank] for v in self._copy_out] if self.in_place else []
-        self._grad_slots = (
-            [self._unsharded_view(self._unsharded_write, p) for p in self.params] if self.in_place else []
-        )
+        # The same views written through ``.data``: gathers copy other dims' blocks out
+        # into them, and in place the gradients go there for the reduce.
+        self._write_views = [self._unsharded_view(self._unsharded_write, p) for p in self.params]
+        self._own_rows = [v[self.comm.shard_rank] for v in self._regions] if self.in_place else []
         # The unsharded parameters: leaves over these views, whose ``.grad`` autograd
         # accumulates by whatever path the module's computation took.
         for p, view in zip(self.params, self.unsharded_views):
@@ -221,7 +213,7 @@ class FlatBucket:
         # One rank, no dtype change on the way in or out: the leaves alias the shards
         # and ``commit_direct`` hands their gradients to the sharded parameters, as in
         # local training: nothing to gather or reduce.
-        self.direct = self.gather_is_identity and self.reduce_dtype == self.dtype
+        self.direct = self.gather_is_identity and self.reduce_dtype == self.dtype and not self.comm.is_hsdp
         # How many references to the unsharded storage are our own (the tensors above);
         # any more means some tensor outside, e.g. one autograd saved, can still read it.
         self._own_storage_refs = _storage_refs(flat)
@@ -229,9 +221,15 @@ class FlatBucket:
 
     def _unsharded_view(self, flat: torch.Tensor, p: FSDPParam) -> torch.Tensor:
         if p.is_replicated:
-            return flat[self.comm.world * self.shard_numel + (p.offset - self.shard_numel)].view(())
-        start = self.comm.world * p.offset
-        return flat[start : start + p.shape.numel()].view(p.shape)
+            return flat[self.comm.shard_size * self.shard_numel + (p.offset - self.shard_numel)].view(())
+        start = self.comm.shard_size * p.offset
+        return flat[start : start + p.layout.shape.numel()].view(p.layout.shape)
+
+    @property
+    def blocks_are_the_values(self) -> bool:
+        """Every parameter shards on dim 0 (or one rank): the gathered blocks, rank-major,
+        are the unsharded parameters, so gathers write straight into them."""
+        return all(p.layout.blocks_are_the_value for p in self.sharded_params)
 
     def optimizer_flat_alias(self) -> torch.Tensor:
         """A plain tensor sharing the sharded flat buffer, stepped by the optimizer in
@@ -244,7 +242,7 @@ class FlatBucket:
         """``p``'s real rows inside the sharded flat buffer."""
         if p.is_replicated:
             return self.sharded_flat[p.offset].view(())
-        return self.sharded_flat[p.offset : p.offset + p.local_rows * p.row_numel].view(p.local_shape)
+        return self.sharded_flat[p.offset : p.offset + p.layout.local_numel].view(p.local_shape)
 
     def _free_unsharded(self) -> None:
         if not self.gather_is_identity and not self._reduce_in_storage:
@@ -288,7 +286,7 @@ class FlatBucket:
                     view.copy_(local.reshape(view.shape))
                 grad = param.grad
                 fresh = torch.nn.Parameter(
-                    p.to_dtensor(view, self.comm.mesh), requires_grad=param.requires_grad
+                    p.to_dtensor(view), requires_grad=param.requires_grad
                 )
                 # Swap rather than ``.data =``: a DTensor keeps its local tensor in a Python
                 # attribute that ``.data`` would not update; the object stays the same.
@@ -313,7 +311,7 @@ class FlatBucket:
         if partial_group is not None and self._partial is not None:
             source, group = self._partial, partial_group
         else:
-            source, group = self.sharded_flat[: self.shard_numel], comm.group
+            source, group = self.sharded_flat[: self.shard_numel], comm.shard_group
             if self.gather_in_place:
                 if after is not None and not after.done() and not debug_enabled():
                     issue = functools.partial(self._start_gather_in_place, source)
@@ -325,7 +323,7 @@ class FlatBucket:
                 with traced("fsdp2::cast_for_all_gather"):
                     source = source.to(self.compute_dtype)
         self._gather_buf = comm.pool.acquire(self._comm_numel(), self.compute_dtype, source.device)
-        output = self._gather_buf[: comm.world * self.shard_numel]
+        output = self._gather_buf[: comm.shard_size * self.shard_numel]
         self._gather_input = source
         self._pending_gather = all_gather_flat(
             source, output, group, label=f"all-gather of {self.name}"
@@ -337,7 +335,7 @@ class FlatBucket:
         if self._reduce_in_storage:
             raise AssertionError(f"fsdp2 internal error: {self.name} gathers into storage a reduce uses")
         self._alloc_unsharded()
-        region = self._unsharded_write[: self.comm.world * self.shard_numel]
+        region = self._unsharded_write[: self.comm.shard_size * self.shard_numel]
         with traced("fsdp2::copy_in"):
             region.fill_(-0.0)
             if self.compute_dtype != self.dtype:
@@ -364,19 +362,41 @@ class FlatBucket:
             self._gather_input = None
             if self._gather_buf is not None:
                 with traced("fsdp2::copy_out"):
-                    torch.split_with_sizes_copy(
-                        output.view(self.comm.world, self.shard_numel),
-                        [p.shard_numel for p in self.sharded_params],
-                        dim=1,
-                        out=self._copy_out,
-                    )
+                    self._copy_out(output.view(self.comm.shard_size, self.shard_numel))
                 self.comm.pool.release(self._gather_buf)
                 self._gather_buf = None
         self._partial = None
         if self.scalars:
-            start = self.comm.world * self.shard_numel
+            start = self.comm.shard_size * self.shard_numel
             tail = self._unsharded_write[start : start + len(self.scalars)]
             tail.copy_(self.sharded_flat[self.shard_numel :])
+
+    def _copy_out(self, blocks: torch.Tensor) -> None:
+        """Gathered blocks (``W x S``, rank-major) into the unsharded parameters: one
+        ``split_with_sizes_copy`` when they all shard on dim 0, otherwise the dim-0 ones
+        by region and the others by their layout."""
+        sizes = [p.shard_numel for p in self.sharded_params]
+        if self.blocks_are_the_values:
+            torch.split_with_sizes_copy(blocks, sizes, dim=1, out=self._regions)
+            return
+        for p, src, region in zip(self.sharded_params, blocks.split(sizes, dim=1), self._regions):
+            if p.layout.blocks_are_the_value:
+                region.copy_(src)
+            else:
+                p.layout.copy_blocks_out(src, self._write_views[p.bucket_index])
+
+    def _gathered_blocks(self) -> list[torch.Tensor]:
+        """The gathered parameters as ``W x shard_numel`` blocks, one per sharded parameter
+        (views where they shard on dim 0, copies otherwise)."""
+        blocks = []
+        for p, region in zip(self.sharded_params, self._regions):
+            if p.layout.blocks_are_the_value:
+                blocks.append(region)
+            else:
+                cut = torch.empty_like(region)
+                p.layout.write_blocks(cut, self._write_views[p.bucket_index], accumulate=False)
+                blocks.append(cut)
+        return blocks
 
     def note_kept(self) -> None:
         """A forward ends with the gathered (or partially kept) parameters left in place."""
@@ -407,12 +427,12 @@ class FlatBucket:
     def reshard_partial(self, factor: int, index: int) -> None:
         """Keep only the ranks ``[index*W/factor, (index+1)*W/factor)`` of the gathered
         rows, so the backward all-gather runs over ``factor`` ranks only."""
-        world = self.comm.world
+        world = self.comm.shard_size
         rows = world // factor
         keep = torch.empty(rows * self.shard_numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
         if self.shard_numel:
             torch.cat(
-                [v[index * rows : (index + 1) * rows] for v in self._copy_out],
+                [v[index * rows : (index + 1) * rows] for v in self._gathered_blocks()],
                 dim=1,
                 out=keep.view(rows, self.shard_numel),
             )
@@ -431,7 +451,7 @@ class FlatBucket:
         key = tuple(bool(p.sharded is not None and p.sharded.requires_grad) for p in self.params)
         if self._layout is not None and key == self._layout_key:
             return self._layout
-        if any(self._deposited) or self.has_unsharded_grads():
+        if any(self._deposited) or self.has_unsharded_grads() or self._unreplicated is not None:
             raise RuntimeError(
                 "requires_grad of a parameter changed while gradients were being accumulated "
                 "without synchronization; change requires_grad only between optimizer steps"
@@ -448,9 +468,9 @@ class FlatBucket:
             p.rs_index = i
         flags = len(params) + len(scalars)
         padding = [
-            (off + p.local_rows * p.row_numel, off + p.shard_numel)
+            (off + p.layout.local_numel, off + p.shard_numel)
             for p, off in zip(params, offsets)
-            if p.local_rows < p.chunk_rows
+            if p.layout.padded
         ]
         self._layout = ReduceLayout(params, scalars, offsets, col, col + flags + len(scalars), padding)
         self._layout_key = key
@@ -467,12 +487,12 @@ class FlatBucket:
             self._reduce_input = self.comm.pool.acquire(
                 self._comm_numel(), self.reduce_dtype, self.sharded_flat.device
             )
-        return self._reduce_input[: self.comm.world * layout.numel].view(self.comm.world, layout.numel)
+        return self._reduce_input[: self.comm.shard_size * layout.numel].view(self.comm.shard_size, layout.numel)
 
     def _comm_numel(self) -> int:
         """One size for this bucket's all-gather output and reduce input: the pool serves
         both from the same buffer."""
-        return self.comm.world * max(self.shard_numel, self.reduce_layout().numel)
+        return self.comm.shard_size * max(self.shard_numel, self.reduce_layout().numel)
 
     def lend_storage_for_reduce(self) -> None:
         """Called once nothing reads the unsharded parameters any more (before the
@@ -488,6 +508,7 @@ class FlatBucket:
         # depends on its data, and all ranks must issue the same reduce.
         if not (
             self.in_place
+            and not self.comm.is_hsdp
             and self.reduce_dtype == self.compute_dtype
             and len(layout.params) + len(layout.scalars) == len(self.params)
             and self._pending_reduce is None
@@ -497,13 +518,13 @@ class FlatBucket:
         self._reduce_in_storage = True
         if self._reduce_input is not None:  # gradients accumulated in a pooled buffer: move them
             buf = self._reduce_input2d()
-            for p, off, rows in zip(layout.params, layout.offsets, self._copy_out):
+            for p, off, rows in zip(layout.params, layout.offsets, self._regions):
                 if self._deposited[p.rs_index]:
                     rows.copy_(buf[:, off : off + p.shard_numel])
             base = layout.grad_numel + len(layout.params) + len(layout.scalars)
             for i, p in enumerate(layout.scalars):
                 if self._deposited[p.rs_index]:
-                    self._grad_slots[p.bucket_index].copy_(buf[0, base + i])
+                    self._write_views[p.bucket_index].copy_(buf[0, base + i])
             self._release_reduce_buffers()
 
     @property
@@ -535,28 +556,23 @@ class FlatBucket:
         first = not self._deposited[p.rs_index]
         self._deposited[p.rs_index] = True
         if self._reduce_in_storage:
-            _write(self._grad_slots[p.bucket_index], grad, first)
+            _write(self._write_views[p.bucket_index], grad, first)
             return
         buf = self._reduce_input2d()
         if p.is_replicated:
             col = layout.grad_numel + len(layout.params) + len(layout.scalars) + layout.scalars.index(p)
             _write(buf[:, col], grad, first)
             return
-        world, chunk, row = self.comm.world, p.chunk_rows, p.row_numel
         region = buf[:, layout.offsets[p.rs_index] : layout.offsets[p.rs_index] + p.shard_numel]
-        region = region.view(world, chunk, row)
-        grad = grad.reshape(-1, row) if row else grad.reshape(p.shape[0], 0)
-        full = grad.shape[0] // chunk if chunk else 0
-        if full:
-            _write(region[:full], grad[: full * chunk].view(full, chunk, row), first)
-        rest = grad.shape[0] - full * chunk
-        if rest:
-            _write(region[full, :rest], grad[full * chunk :], first)
+        p.layout.write_blocks(region, grad, accumulate=not first)
 
-    def start_reduce(self, divide_factor: float) -> None:
+    def start_reduce(self, divide_factor: float, all_reduce: bool = True) -> None:
         """Issue the reduce-scatter of everything deposited; undeposited gradients count as
-        zero and carry a zero "used" flag. The gradients are divided by ``divide_factor``."""
+        zero and carry a zero "used" flag. The gradients are divided by ``divide_factor``.
+        HSDP: the result is then all-reduced over the replicas, or with ``all_reduce``
+        False kept and added to the next one (``_sum_replicas``)."""
         self._divide_factor = divide_factor
+        self._all_reduce = all_reduce
         if self._reduce_in_storage:
             self._start_reduce_in_storage()
             return
@@ -573,7 +589,7 @@ class FlatBucket:
             flags = torch.tensor(self._deposited, dtype=buf.dtype).to(buf.device)
             buf[:, layout.grad_numel : scalar_base].copy_(flags)
         comm = self.comm
-        if comm.on_gloo and comm.world > 1:
+        if comm.on_gloo and comm.shard_size > 1:
             method = "all_to_all"
             self._reduce_scratch = comm.pool.acquire(buf.numel(), buf.dtype, buf.device)
         else:
@@ -583,8 +599,8 @@ class FlatBucket:
             method = "all_reduce" if layout.scalars else "reduce_scatter"
         self._pending_reduce = reduce_scatter_flat(
             buf,
-            comm.group,
-            comm.rank,
+            comm.shard_group,
+            comm.shard_rank,
             method,
             None if self._reduce_scratch is None else self._reduce_scratch.view(buf.shape),
             label=f"reduce-scatter of {self.name}",
@@ -594,20 +610,20 @@ class FlatBucket:
         """The storage holds each gradient where its parameter was (every rank's rows),
         then the replicated scalars' gradients, then one flag per parameter: one in-place
         all-reduce sums it all, and each rank reads its own rows."""
-        world_numel = self.comm.world * self.shard_numel
+        world_numel = self.comm.shard_size * self.shard_numel
         with traced("fsdp2::reduce_prepare"):
-            for p, rows in zip(self.sharded_params, self._copy_out):
+            for p, rows in zip(self.sharded_params, self._regions):
                 if not self._deposited[p.rs_index]:
                     rows.zero_()
             for p in self.scalars:
                 if not self._deposited[p.rs_index]:
-                    self._grad_slots[p.bucket_index].zero_()
+                    self._write_views[p.bucket_index].zero_()
             flags_at = world_numel + len(self.scalars)
             flags = self._unsharded_write[flags_at : flags_at + len(self._deposited)]
             flags.copy_(torch.tensor(self._deposited, dtype=flags.dtype))
         self._pending_reduce = all_reduce_in_place(
             self._unsharded_write[: flags_at + len(self._deposited)],
-            self.comm.group,
+            self.comm.shard_group,
             label=f"reduce-scatter of {self.name}",
         )
         # Take this rank's rows out and free the storage the moment the sum is done,
@@ -625,11 +641,18 @@ class FlatBucket:
             staged = self._stage_from_pool(wait_pending(self._pending_reduce))
         self._pending_reduce = None
         self._deposited = [False] * len(self._deposited)
-        self._ready_grads.append(staged)
+        if staged is not None:
+            self._ready_grads.append(staged)
 
-    def _stage_from_pool(self, result: torch.Tensor) -> tuple:
+    def _stage_from_pool(self, result: torch.Tensor) -> tuple | None:
         """The pooled reduce completed: copy out this rank's row, then release the buffer."""
         layout = self.reduce_layout()
+        if self.comm.is_hsdp:
+            summed = self._sum_replicas(result, layout)
+            if summed is None:
+                self._release_reduce_buffers()
+                return None
+            result = summed
         with traced("fsdp2::grad_copy"):
             grads = result[: layout.grad_numel].to(self.dtype, copy=True)
             flag_end = layout.grad_numel + len(layout.params) + len(layout.scalars)
@@ -637,18 +660,36 @@ class FlatBucket:
             used = result[layout.grad_numel : flag_end].clone()
             # Replicated scalars: bitwise equal on every rank in row 0 after an all-reduce,
             # and in every rank's own row after an all-to-all (summed alike everywhere).
-            row = result if self.comm.on_gloo else self._reduce_input2d()[0]
+            row = result if self.comm.on_gloo or self.comm.is_hsdp else self._reduce_input2d()[0]
             scalar_vals = row[flag_end : layout.numel].to(self.dtype, copy=True)
             staged = _staged(layout, grads, used, scalar_vals, self._divide_factor)
         self._release_reduce_buffers()
         return staged
+
+    def _sum_replicas(self, result: torch.Tensor, layout: ReduceLayout) -> torch.Tensor | None:
+        """HSDP: sum this rank's reduced row over the replicas (adding what earlier
+        backwards without all-reduce kept), or keep it for later: None then."""
+        row = result[: layout.numel]
+        if not self.comm.on_gloo and layout.scalars:
+            # Replicated scalars are bitwise equal across the shard ranks in row 0 only.
+            start = layout.grad_numel + len(layout.params) + len(layout.scalars)
+            row[start:].copy_(self._reduce_input2d()[0, start : layout.numel])
+        if self._unreplicated is not None:
+            row.add_(self._unreplicated)
+            self._unreplicated = None
+        if not self._all_reduce:
+            self._unreplicated = row.clone()
+            return None
+        assert self.comm.replicate_group is not None
+        wait_pending(all_reduce_in_place(row, self.comm.replicate_group, label=f"all-reduce of {self.name}"))
+        return row
 
     def _stage_from_storage(self, layout: ReduceLayout, divide_factor: float) -> tuple:
         """The reduce in storage completed: copy out this rank's rows of every parameter
         (laid out like its shards), the flags and the scalars, then free the storage.
         Runs on gloo's thread; nothing else touches this bucket's storage meanwhile
         (an unshard first waits for it: ``ParamGroup.unshard``)."""
-        world_numel = self.comm.world * self.shard_numel
+        world_numel = self.comm.shard_size * self.shard_numel
         flags_at = world_numel + len(self.scalars)
         with traced("fsdp2::grad_copy"):
             grads = torch.cat(self._own_rows) if self._own_rows else self._unsharded_write[:0].clone()
@@ -679,11 +720,11 @@ class FlatBucket:
             used = used_flags.tolist()  # flags follow layout.params, then layout.scalars
             for flag, p, off in zip(used, layout.params, layout.offsets):
                 if flag > 0:
-                    local = grads[off : off + p.local_rows * p.row_numel].view(p.local_shape)
-                    _accumulate_grad(p, local, self.comm.mesh)
+                    local = grads[off : off + p.layout.local_numel].view(p.local_shape)
+                    _accumulate_grad(p, local)
             for flag, p, value in zip(used[len(layout.params) :], layout.scalars, scalar_vals):
                 if flag > 0:
-                    _accumulate_grad(p, value.view(()), self.comm.mesh)
+                    _accumulate_grad(p, value.view(()))
         self._ready_grads.clear()
         if flat is not None:
             self._remember_flat_grad(flat)
@@ -725,7 +766,7 @@ class FlatBucket:
             for p in self.params:
                 p.take_unsharded_grad()
                 local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
-                p.sharded.grad = p.grad_dtensor(local, self.comm.mesh)  # type: ignore[union-attr]
+                p.sharded.grad = p.grad_dtensor(local)  # type: ignore[union-attr]
             self._remember_flat_grad(flat)
             return
         for p in self.params:
@@ -733,7 +774,7 @@ class FlatBucket:
             if grad is not None:
                 if divide_factor != 1:
                     grad.div_(divide_factor)
-                _accumulate_grad(p, grad, self.comm.mesh)
+                _accumulate_grad(p, grad)
 
     def drop_reduce_state(self) -> None:
         """Forget deposited gradients and any reduce-scatter (after an exception)."""
@@ -753,6 +794,7 @@ class FlatBucket:
                     self._reduce_in_storage = False
                     self._free_unsharded()
         self._release_reduce_buffers()
+        self._unreplicated = None
         self._deposited = [False] * len(self._deposited)
         if self._gather_issue is not None:
             try:
@@ -802,11 +844,11 @@ def _write(dst: torch.Tensor, src: torch.Tensor, first: bool) -> None:
         dst.add_(src)
 
 
-def _accumulate_grad(p: FSDPParam, local: torch.Tensor, mesh: DeviceMesh) -> None:
+def _accumulate_grad(p: FSDPParam, local: torch.Tensor) -> None:
     param = p.sharded
     assert param is not None
     if param.grad is None:
-        param.grad = p.grad_dtensor(local, mesh)
+        param.grad = p.grad_dtensor(local)
     else:
         existing = param.grad
         (existing.to_local() if isinstance(existing, torch.distributed.tensor.DTensor) else existing).add_(

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._bucket import CommContext, FlatBucket
+from ._bucket import FlatBucket
+from ._mesh import MeshInfo
 from ._param import FSDPParam
 from ._tree import cast_floating, collect_tensors, map_tensors
 from .api import MixedPrecisionPolicy
@@ -76,7 +77,7 @@ class ParamGroup:
         params: list[FSDPParam],
         originals: list[torch.Tensor],
         modules: list[nn.Module],
-        comm: CommContext,
+        comm: MeshInfo,
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int | None,
@@ -108,6 +109,7 @@ class ParamGroup:
         self.partial_index = 0
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce over the replicas after the reduce-scatter
         self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
         self.is_last_backward = True
@@ -404,7 +406,7 @@ class ParamGroup:
                     # Every rank decides alike here, whatever gradients it deposited
                     # (which ones a rank computed can depend on its data).
                     b.lend_storage_for_reduce()
-                b.start_reduce(self.divide_factor())
+                b.start_reduce(self.divide_factor(), self.requires_all_reduce)
                 self.ctx.add_pending_reduce(self, b)
 
     def has_unsharded_grads(self) -> bool:
@@ -440,7 +442,7 @@ class ParamGroup:
         )
 
     def divide_factor(self) -> float:
-        return float(self.gradient_divide_factor or self.comm.world)
+        return float(self.gradient_divide_factor or self.comm.dp_size)
 
     def reset(self) -> None:
         """Forget this iteration: reshard, drop deposited gradients and pending work."""

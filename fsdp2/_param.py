@@ -7,10 +7,8 @@ buffer (so the all-gather needs no copy-in) and its unsharded parameter is a lea
 parameter's whole life, so every autograd graph built on it (a forward, an activation
 checkpoint's recompute, a direct call of an inner module) accumulates into its
 ``.grad``. Its owner modules register whichever of the two matches the group's shard
-state. Sharding follows ``torch.chunk`` on dim 0: every rank
-holds ``chunk_rows`` rows in the flat layouts, the real rows first, then padding;
-trailing ranks may hold no real rows. 0-dim parameters cannot shard on dim 0: they are
-replicated (``Replicate()``) and their gradients are summed over ranks.
+state. Which slices of which dim are this rank's is its ``ShardLayout``'s business;
+0-dim parameters are replicated (``Replicate()``) and their gradients summed over ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +21,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ._layout import ShardLayout
+from ._mesh import MeshInfo
 
 
 # id(unsharded leaf) -> its FSDPParam (weakly), to tell an optimizer that was handed the
@@ -38,32 +40,42 @@ def unsharded_owner(t: torch.Tensor) -> FSDPParam | None:
 
 
 class FSDPParam:
-    """Shape bookkeeping of one parameter, its sharded ``nn.Parameter`` and its unsharded
-    leaf."""
+    """One parameter: where its shard sits (``layout``), its sharded ``nn.Parameter`` and
+    its unsharded leaf.
+
+    A tensor-parallel parameter (already a DTensor on a TP mesh) is sharded as its local
+    tensor: its sharded DTensor lives on the data-parallel and TP mesh dimensions
+    together, and its unsharded leaf is the TP DTensor again."""
 
     def __init__(
-        self,
-        fqn: str,
-        owners: list[tuple[nn.Module, str]],
-        param: torch.Tensor,
-        rank: int,
-        world: int,
+        self, fqn: str, owners: list[tuple[nn.Module, str]], param: torch.Tensor, info: MeshInfo, dim: int
     ) -> None:
         self.fqn = fqn
         self.owners = owners  # every (module, attribute) registering this parameter (tied weights)
-        self.shape = param.shape
-        self.dtype = param.dtype
-        self.is_replicated = param.dim() == 0
-        rows = 1 if self.is_replicated else param.shape[0]
-        self.row_numel = math.prod(param.shape[1:])
-        self.chunk_rows = 1 if self.is_replicated else -(-rows // world)
-        start = 0 if self.is_replicated else rank * self.chunk_rows
-        self.local_rows = max(0, min(self.chunk_rows, rows - start))
-        self.row_start = start  # first global row this rank holds
-        self.shard_numel = 0 if self.is_replicated else self.chunk_rows * self.row_numel
-        self.local_shape = () if self.is_replicated else (self.local_rows, *param.shape[1:])
-        self.placements: tuple[Placement, ...] = (Replicate(),) if self.is_replicated else (Shard(0),)
+        self.shape = param.shape  # the global shape, as the DTensors report it
         self.stride = _contiguous_stride(tuple(param.shape))
+        self.dtype = param.dtype
+        self.tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
+        local_shape = param.shape
+        if isinstance(param, DTensor):
+            self.tp = (param.device_mesh, tuple(param.placements))
+            local_shape = param._local_tensor.shape
+        self.layout = ShardLayout(local_shape, dim, info.shard_size, info.shard_rank)
+        fsdp: Placement = Replicate() if self.layout.is_replicated else Shard(dim)
+        if self.tp is None:
+            self.mesh = info.mesh
+            self.placements: tuple[Placement, ...] = info.dp_placements(fsdp)
+        else:
+            tp_mesh, tp_placements = self.tp
+            self.mesh = _concatenate(info.mesh, tp_mesh, fqn)
+            # TP shards this dim first; the data-parallel shards of its local tensor then
+            # interleave with the TP shards (``_StridedShard``), as torch describes them.
+            split = math.prod(
+                tp_mesh.size(i) for i, pl in enumerate(tp_placements) if isinstance(pl, Shard) and pl.dim == dim
+            )
+            if split > 1 and isinstance(fsdp, Shard):
+                fsdp = _StridedShard(dim, split_factor=split)
+            self.placements = info.dp_placements(fsdp) + tp_placements
         self.offset = -1  # element offset of this shard in the bucket's per-rank section
         self.rs_index = -1  # index among the bucket's reduced parameters; -1 when frozen
         self.bucket_index = -1  # index in the bucket's parameter list
@@ -75,24 +87,40 @@ class FSDPParam:
         self._quiet_holders = (-1, 0)
         self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
 
-    def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full (unsharded) value of this parameter."""
-        if self.is_replicated:
-            return full.reshape(())
-        return full[self.row_start : self.row_start + self.local_rows]
+    @property
+    def is_replicated(self) -> bool:
+        return self.layout.is_replicated
 
-    def to_dtensor(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.layout.local_shape
+
+    def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the parameter's value ``full``: its own local tensor (a TP
+        DTensor's local tensor), or the global value (split for TP first, locally)."""
+        if self.tp is not None:
+            if isinstance(full, DTensor):
+                full = full.to_local()
+            elif full.shape == self.shape:
+                full = distribute_tensor(full, self.tp[0], self.tp[1], src_data_rank=None).to_local()
+        return self.layout.local_chunk(full)
+
+    def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard of this parameter as a DTensor of the full shape."""
         return DTensor.from_local(
-            local, mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
-    def grad_dtensor(self, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """Like ``to_dtensor`` for a gradient, reusing the parameter's DTensor spec: this
         runs for every parameter every step, and building a spec costs ~80 us."""
         spec = getattr(self.sharded, "_spec", None)
         if spec is None or spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
-            return self.to_dtensor(local, mesh)
+            return self.to_dtensor(local)
         return DTensor(local, spec, requires_grad=False)
 
     def optimizer_alias(self, local: torch.Tensor) -> torch.Tensor:
@@ -123,6 +151,10 @@ class FSDPParam:
     def set_unsharded(self, view: torch.Tensor) -> None:
         """A new unsharded leaf over ``view`` (at build time and after ``rebind``)."""
         requires_grad = self.sharded.requires_grad if self.sharded is not None else False
+        if self.tp is not None:
+            view = DTensor.from_local(
+                view, self.tp[0], self.tp[1], run_check=False, shape=self.shape, stride=self.stride
+            )
         self.unsharded = nn.Parameter(view, requires_grad=requires_grad)
         _LEAF_OWNER[id(self.unsharded)] = self
         self._settle_holders()
@@ -161,8 +193,14 @@ class FSDPParam:
         """The gradient accumulated in the unsharded leaf, which is cleared."""
         leaf = self.unsharded
         grad = None if leaf is None else leaf.grad
-        if grad is not None:
-            leaf.grad = None  # type: ignore[union-attr]
+        if grad is None:
+            return None
+        leaf.grad = None  # type: ignore[union-attr]
+        if isinstance(grad, DTensor):  # tensor parallel: the local part of the TP layout
+            assert self.tp is not None
+            if tuple(grad.placements) != self.tp[1]:  # e.g. Partial: reduce over TP first
+                grad = grad.redistribute(self.tp[0], self.tp[1])
+            grad = grad.to_local()
         return grad
 
 
@@ -190,6 +228,26 @@ def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) ->
     out._spec = spec
     out._local_tensor = local
     return out
+
+
+def _concatenate(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The mesh of the data-parallel dimensions followed by the TP ones: both must be
+    slices of one named mesh (``init_device_mesh(..., mesh_dim_names=...)``)."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is None or dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"parameter {fqn} is a DTensor on the mesh {tp_mesh}; fully_shard composes it with the "
+            f"data-parallel mesh {dp_mesh} only when both are named slices of one mesh: build "
+            "mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')), parallelize over mesh['tp'] "
+            "and pass mesh['dp'] to fully_shard"
+        )
+    try:
+        return concatenate([dp_mesh, tp_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"parameter {fqn} is a DTensor on {tp_mesh}, which does not combine with the data-parallel "
+            f"mesh {dp_mesh} ({e}); slice both from one mesh built with init_device_mesh"
+        ) from e
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

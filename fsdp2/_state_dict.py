@@ -70,7 +70,7 @@ class _ShardFullTensors:
                 param = fp.sharded
                 assert param is not None
                 local = fp.local_chunk(value.detach()).to(param.device)
-                state_dict[prefix + name] = fp.to_dtensor(local, param.device_mesh)
+                state_dict[prefix + name] = fp.to_dtensor(local)
 
 
 def validate_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:

@@ -18,14 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _classes, _optim
-from ._bucket import CommContext
 from ._buffers import BufferPool
-from ._collectives import cached_group
 from ._group import ParamGroup, ShardState, TrainingState
+from ._mesh import MeshInfo, mesh_device
 from ._param import FSDPParam, unsharded_owner
 from ._state import FSDPState
 from ._state_dict import register_state_dict_hooks, validate_state_dict
@@ -88,15 +87,15 @@ def fully_shard(
     ignored = _validate_ignored(ignored_params)
     owners, fqns = _collect_params(modules, ignored)
     params = list(owners)
-    _validate_params(params, fqns, shard_placement_fn)
+    dims = _shard_dims(params, fqns, shard_placement_fn, mesh)
 
-    device = _mesh_device(mesh)
-    comm = _comm_context(mesh, device)
-    fsdp_params = [FSDPParam(fqns[p], owners[p], p, comm.rank, comm.world) for p in params]
+    device = mesh_device(mesh)
+    info = MeshInfo.from_mesh(mesh, _POOLS.setdefault(device, BufferPool()))
+    fsdp_params = [FSDPParam(fqns[p], owners[p], p, info, dim) for p, dim in zip(params, dims)]
     shard_device = torch.device("meta") if any(p.device.type == "meta" for p in params) else device
-    group = ParamGroup(fsdp_params, params, modules, comm, shard_device, mp_policy, reshard_after_forward)
+    group = ParamGroup(fsdp_params, params, modules, info, shard_device, mp_policy, reshard_after_forward)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        group.partial_group, group.partial_index = _partial_group(mesh, reshard_after_forward)
+        group.partial_group, group.partial_index = info.partial_group(reshard_after_forward)
     for fp, original in zip(fsdp_params, params):
         fp.register_sharded()
         _remember(_MANAGED, id(fp.sharded), weakref.ref(fp))
@@ -192,6 +191,15 @@ class FSDPModule:
         for g in self._target_groups(recurse):
             g.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters gradients within the shard group but does not
+        all-reduce them over the replicas; the sums wait, and the next backward with
+        ``True`` all-reduces them together (gradient accumulation with less traffic).
+        Nothing to do on a 1D mesh."""
+        _check_bool("set_requires_all_reduce", requires_all_reduce)
+        for g in self._target_groups(recurse):
+            g.requires_all_reduce = requires_all_reduce
+
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (see ``fully_shard``) for later forwards."""
         group = self._fsdp2_state.group
@@ -200,7 +208,7 @@ class FSDPModule:
             raise ValueError("set_reshard_after_forward expects a bool or an int, got None")
         partial = None
         if not isinstance(reshard_after_forward, bool):
-            partial = _partial_group(group.comm.mesh, reshard_after_forward)
+            partial = group.comm.partial_group(reshard_after_forward)
         for g in self._target_groups(recurse):
             g.reshard_after_forward = reshard_after_forward
             g.reshard_after_forward_arg = reshard_after_forward
@@ -323,10 +331,16 @@ def _validate_modules(module: Any) -> list[nn.Module]:
 def _validate_mesh(mesh: Any) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard supports 1D meshes so far, got a {mesh.ndim}D mesh {mesh.mesh.shape}; "
-            "pass mesh[dim_name] for the data-parallel dimension"
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1D mesh (FSDP) or a 2D (replicate, shard) mesh (HSDP), got a "
+            f"{mesh.ndim}D mesh {tuple(mesh.mesh.shape)}; for tensor parallel, parallelize the model over "
+            "mesh['tp'] first and pass the data-parallel part, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"fully_shard got a 2D mesh {tuple(mesh.mesh.shape)} without mesh_dim_names; HSDP needs "
+            "named dims: init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
         )
     if mesh.device_type not in ("cpu", "meta"):
         module = getattr(torch, mesh.device_type, None)
@@ -344,11 +358,11 @@ def _validate_reshard_after_forward(value: Any, mesh: DeviceMesh) -> None:
         return
     if not isinstance(value, int):
         raise TypeError(f"reshard_after_forward expects a bool, an int or None, got {type(value).__name__}")
-    world = mesh.size()
+    world = mesh.size(mesh.ndim - 1)
     if not (1 < value < world and world % value == 0):
         raise ValueError(
-            f"reshard_after_forward={value} must divide the mesh size {world} and lie strictly between "
-            f"1 and {world}; use True (free all) or False (keep all) otherwise"
+            f"reshard_after_forward={value} must divide the shard size {world} (the mesh's last "
+            f"dim) and lie strictly between 1 and {world}; use True (free all) or False (keep all) otherwise"
         )
 
 
@@ -369,18 +383,59 @@ def _validate_ignored(ignored_params: Any) -> set[int]:
     return {id(p) for p in ignored_params}
 
 
-def _validate_params(params: list[torch.Tensor], fqns: dict, placement_fn: Callable | None) -> None:
+def _shard_dims(
+    params: list[torch.Tensor], fqns: dict, placement_fn: Callable | None, mesh: DeviceMesh
+) -> list[int]:
+    """The dim each parameter shards on (0 unless ``shard_placement_fn`` says otherwise),
+    checking that tensor-parallel parameters can compose with ``mesh``."""
+    dims = []
     for p in params:
+        local = p._local_tensor if isinstance(p, DTensor) else p
         if isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"parameter {fqns[p]} is already a DTensor; composing with tensor parallel is not implemented yet"
+            _validate_tp_param(p, fqns[p], mesh)
+        placement = placement_fn(p) if placement_fn is not None else None
+        if placement is None:
+            dims.append(0)
+            continue
+        if type(placement) is not Shard:
+            raise ValueError(
+                f"shard_placement_fn returned {placement!r} for {fqns[p]}; it may return None or Shard(dim)"
             )
-        if placement_fn is not None:
-            placement = placement_fn(p)
-            if placement is not None and placement != Shard(0):
-                raise NotImplementedError(
-                    f"shard_placement_fn returned {placement} for {fqns[p]}; only None or Shard(0) is supported"
-                )
+        dim = placement.dim
+        if local.dim() == 0 or not -local.dim() <= dim < local.dim():
+            raise ValueError(
+                f"shard_placement_fn returned Shard({dim}) for {fqns[p]} of shape {tuple(local.shape)}: "
+                + ("a 0-dim parameter is replicated, return None for it" if local.dim() == 0
+                   else f"the dim must lie in [{-local.dim()}, {local.dim() - 1}]")
+            )
+        dims.append(dim % local.dim())
+    return dims
+
+
+def _validate_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:
+    if p.device_mesh.device_type != mesh.device_type:
+        raise ValueError(
+            f"parameter {fqn} is a DTensor on a {p.device_mesh.device_type} mesh but fully_shard got a "
+            f"{mesh.device_type} mesh; build both from one init_device_mesh"
+        )
+    bad = [pl for pl in p.placements if not isinstance(pl, (Shard, Replicate))]
+    if bad:
+        raise ValueError(
+            f"parameter {fqn} has placements {tuple(p.placements)}; fully_shard composes with tensor "
+            "parallel parameters placed with Shard or Replicate only"
+        )
+    overlap = set(_mesh_ranks(p.device_mesh)) & set(_mesh_ranks(mesh))
+    if overlap != {dist.get_rank()} and mesh.device_type != "meta":
+        raise ValueError(
+            f"parameter {fqn} is already a DTensor on {p.device_mesh}, which shares ranks with the "
+            f"data-parallel mesh {mesh}; parallelize over the tensor-parallel dims (mesh['tp']) and pass "
+            "the data-parallel dims (mesh['dp']) to fully_shard"
+        )
+
+
+def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
+    """The ranks of ``mesh``'s slice that contains this rank."""
+    return [r for g in range(mesh.ndim) for r in dist.get_process_group_ranks(mesh.get_group(g))]
 
 
 # ------------------------------------------------------------------ collection
@@ -497,33 +552,6 @@ def _default_mesh() -> DeviceMesh:
 def _accelerator_type() -> str:
     acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     return acc.type if acc is not None else "cpu"
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type in ("cpu", "meta"):
-        return torch.device(mesh.device_type)
-    module = torch.get_device_module(mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
-
-
-def _comm_context(mesh: DeviceMesh, device: torch.device) -> CommContext:
-    group = mesh.get_group()
-    pool = _POOLS.setdefault(device, BufferPool())
-    on_gloo = dist.get_backend(group) == "gloo"
-    return CommContext(mesh, group, mesh.get_local_rank(), mesh.size(), pool, on_gloo)
-
-
-def _partial_group(mesh: DeviceMesh, factor: int) -> tuple[dist.ProcessGroup, int]:
-    """The sub-group of ``factor`` ranks this rank gathers from after a partial reshard,
-    and this rank's position in it."""
-    ranks = tuple(mesh.mesh.flatten().tolist())
-
-    def make() -> tuple[dist.ProcessGroup, int]:
-        blocks = [list(ranks[i : i + factor]) for i in range(0, len(ranks), factor)]
-        mine, _ = dist.new_subgroups_by_enumeration(blocks, backend=dist.get_backend(mesh.get_group()))
-        return mine, mesh.get_local_rank() % factor  # position in its block
-
-    return cached_group(("partial", ranks, factor), make)
 
 
 def _show_sharded_for_state_dict(group_ref: weakref.ref, *args: Any) -> None:

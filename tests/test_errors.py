@@ -24,7 +24,8 @@ def _expect(fn, exc: type[BaseException], fragment: str) -> str:  # noqa: ANN001
 def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     out: dict[str, str] = {}
     mesh = init_device_mesh("cpu", (world,))
-    mesh2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))
+    mesh3d = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("a", "b", "c"))
+    unnamed2d = init_device_mesh("cpu", (1, world))
 
     def check(name: str, fn, exc: type[BaseException], fragment: str) -> None:  # noqa: ANN001
         model_before = None
@@ -34,9 +35,10 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     lin = nn.Linear(4, 4)
     before = lin.weight
     check("mesh_type", lambda: fsdp2.fully_shard(lin, mesh="cpu"), TypeError, "expects a DeviceMesh, got str")
-    check("mesh_2d", lambda: fsdp2.fully_shard(lin, mesh=mesh2d), NotImplementedError, "2D mesh")
+    check("mesh_3d", lambda: fsdp2.fully_shard(lin, mesh=mesh3d), ValueError, "parallelize the model over mesh['tp'] first")
+    check("mesh_2d_unnamed", lambda: fsdp2.fully_shard(lin, mesh=unnamed2d), ValueError, "without mesh_dim_names")
     check("raf_type", lambda: fsdp2.fully_shard(lin, reshard_after_forward="yes"), TypeError, "reshard_after_forward expects")
-    check("raf_divisor", lambda: fsdp2.fully_shard(lin, reshard_after_forward=3), ValueError, "must divide the mesh size")
+    check("raf_divisor", lambda: fsdp2.fully_shard(lin, reshard_after_forward=3), ValueError, "must divide the shard size")
     check("raf_trivial", lambda: fsdp2.fully_shard(lin, reshard_after_forward=world), ValueError, "strictly between")
     check("not_module", lambda: fsdp2.fully_shard([lin, "x"]), TypeError, "expects nn.Module")
     check("empty_list", lambda: fsdp2.fully_shard([]), ValueError, "non-empty list")
@@ -45,7 +47,8 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     check("offload_type", lambda: fsdp2.fully_shard(lin, offload_policy=True), TypeError, "OffloadPolicy")
     check("mp_dtype", lambda: fsdp2.MixedPrecisionPolicy(param_dtype="bf16"), TypeError, "torch.dtype")
     check("mp_int", lambda: fsdp2.MixedPrecisionPolicy(param_dtype=torch.int32), ValueError, "floating-point")
-    check("placement", lambda: fsdp2.fully_shard(lin, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(1)), NotImplementedError, "Shard(0)")
+    check("placement", lambda: fsdp2.fully_shard(lin, shard_placement_fn=lambda p: torch.distributed.tensor.Replicate()), ValueError, "may return None or Shard(dim)")
+    check("placement_dim", lambda: fsdp2.fully_shard(lin, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(-3)), ValueError, "must lie in [-2, 1]")
     # Nothing above changed the module.
     out["untouched"] = "ok" if lin.weight is before and type(lin) is nn.Linear else "changed"
 
