@@ -152,7 +152,7 @@ class ParamGroup:
         if self.shard_state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return
         self._check_materialized()
-        if self.ctx is not None and any(b.reduces_in_storage for b in self.buckets):
+        if self.ctx is not None and any(b.in_place is not None and b.in_place.lent for b in self.buckets):
             self.ctx.finish_reduces_of(self)  # its storage still holds the gradients
         partial = self.partial_group if self.shard_state is ShardState.PARTIAL else None
         for b in self.buckets:
@@ -273,7 +273,7 @@ class ParamGroup:
             ctx.record_forward(self)
             self.saved_by_hooks = self.saved_by_hooks or _saved_tensor_hooks_active()
             for b in self.buckets:
-                b.refresh_reduce_layout()
+                b.reduce.refresh_layout()
             if self.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL) and any(
                 b.is_stale() for b in self.buckets
             ):
@@ -290,7 +290,7 @@ class ParamGroup:
                 target.unshard()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        if self.direct or not torch.is_grad_enabled() or not any(b.has_reduced_params() for b in self.buckets):
+        if self.direct or not torch.is_grad_enabled() or not any(b.reduce.has_reduced_params() for b in self.buckets):
             return args, kwargs
         if recompute:
             # A reentrant checkpoint's recompute, whose forward ran without grad: its
@@ -388,7 +388,8 @@ class ParamGroup:
             if sync:
                 # Nothing reads the parameters now: sum the gradients in their place.
                 for b in self.buckets:
-                    b.lend_storage_for_reduce()
+                    if b.in_place is not None:
+                        b.in_place.lend(b.reduce)
             self.reshard()
         self.training_state = TrainingState.IDLE
         buckets = [b for b in self.buckets if sync or b.reduce_dtype != b.compute_dtype]
@@ -397,20 +398,20 @@ class ParamGroup:
         assert self.ctx is not None
         self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
         for b in buckets:
-            b.deposit_unsharded_grads()
+            b.reduce.deposit_unsharded_grads()
         if not sync:
             return
         for b in buckets:
-            if b.has_reduced_params():
-                if self.reshard_after_backward:
+            if b.reduce.has_reduced_params():
+                if self.reshard_after_backward and b.in_place is not None:
                     # Every rank decides alike here, whatever gradients it deposited
                     # (which ones a rank computed can depend on its data).
-                    b.lend_storage_for_reduce()
-                b.start_reduce(self.divide_factor(), self.requires_all_reduce)
+                    b.in_place.lend(b.reduce)
+                b.reduce.start(self.divide_factor(), self.requires_all_reduce)
                 self.ctx.add_pending_reduce(self, b)
 
     def has_unsharded_grads(self) -> bool:
-        return any(b.has_unsharded_grads() for b in self.buckets)
+        return any(b.reduce.has_unsharded_grads() for b in self.buckets)
 
     def forget_calls(self) -> None:
         """Start counting forward calls afresh; older nodes no longer count."""
@@ -447,7 +448,7 @@ class ParamGroup:
     def reset(self) -> None:
         """Forget this iteration: reshard, drop deposited gradients and pending work."""
         for b in self.buckets:
-            b.drop_reduce_state()
+            b.drop_state()
         if self.shard_state is ShardState.GATHERING:
             self.shard_state = ShardState.UNSHARDED
         self.reshard()

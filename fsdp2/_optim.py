@@ -34,7 +34,7 @@ one-rank step of a small model). A parameter group whose every managed parameter
 flat keeps its plan for the next step, reused as long as its parameter list, each
 parameter's local shard, state dict and state entries are the same objects, the step
 counts were not written since (version counters), and every bucket's gradients are
-still the flat ones its last backward committed (``FlatBucket.flat_grad``); anything
+still the flat ones its last backward committed (``GradCommit.flat_grad``); anything
 else plans afresh.
 
 If the step raises midway, the post-step hook does not run: the swap is undone at the
@@ -284,7 +284,7 @@ def _reuse_plan(
         return None
     grads = []
     for f in cached.flats:
-        grad = f.bucket.flat_grad()
+        grad = f.bucket.commit.flat_grad()
         if grad is None or not _same_snapshot(_snapshot(optimizer.state, f), f.snapshot):
             return None
         grads.append(grad)

@@ -214,7 +214,7 @@ class RootContext:
     def reduce_in_flight(self) -> torch.futures.Future | None:
         """The newest reduce in storage still running, if any."""
         for _, b in reversed(self.pending_reduces):
-            running = b.reduce_in_flight()
+            running = b.in_place.in_flight() if b.in_place is not None else None
             if running is not None:
                 return running
         return None
@@ -226,7 +226,7 @@ class RootContext:
 
     def _finish_oldest_reduce(self) -> None:
         _, b = self.pending_reduces.popleft()
-        b.finish_reduce()
+        b.reduce.finish()
 
     def finalize_backward(self) -> None:
         """Phase 5: runs once at the end of each backward over the root's graph."""
@@ -261,9 +261,9 @@ class RootContext:
                 g.forget_calls()
                 if g.requires_gradient_sync:
                     for b in g.buckets:
-                        b.commit_direct(g.divide_factor())
+                        b.commit.commit_direct(g.divide_factor())
             for b in g.buckets:
-                b.commit_grads()
+                b.commit.commit()
             g.held_by_user = False  # an unshard() window ends with the backward
             if g.reshard_after_backward:
                 g.reshard()

@@ -16,7 +16,7 @@ from _dist import run_ranks
 from _models import ToyModel, batch, force_in_place, loss_fn
 
 import fsdp2
-import fsdp2._bucket
+import fsdp2._in_place
 
 STEPS = 3
 
@@ -25,7 +25,7 @@ def _train(
     rank: int, world: int, mode: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
 ) -> dict:
     if mode == "pooled":
-        fsdp2._bucket.IN_PLACE_MIN_BYTES = 1 << 62
+        fsdp2._in_place.IN_PLACE_MIN_BYTES = 1 << 62
     else:  # "in_place", or "reduce_in_place": pooled all-gather, reduce in the storage
         force_in_place(gather=mode == "in_place")
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def _train(
     return {
         "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
         "grads": grads,
-        "in_place": [(b.in_place, b.gather_in_place) for b in buckets],
+        "in_place": [(b.in_place is not None, b.in_place is not None and b.in_place.gathers) for b in buckets],
         "storage_freed": all(b.unsharded_bytes() == 0 for b in buckets),
         "steady_allocations": allocations[-1] - allocations[0],
     }

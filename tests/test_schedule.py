@@ -31,7 +31,7 @@ def _padded_bytes(group, world: int) -> tuple[int, int]:  # noqa: ANN001
     Reduced in place (gloo, large buckets), the flags are there once, not once per rank."""
     gather = sum(world * b.shard_numel * b.compute_dtype.itemsize for b in group.buckets)
     reduce = sum(
-        (world * b.shard_numel + len(b.params) + len(b.scalars) if b.in_place else world * b.reduce_layout().numel)
+        (world * b.shard_numel + len(b.params) + len(b.scalars) if b.in_place is not None else world * b.reduce.layout().numel)
         * b.reduce_dtype.itemsize
         for b in group.buckets
     )
@@ -47,7 +47,7 @@ def _count_worker(rank: int, world: int, reshard: bool) -> dict:
         loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
     groups = [_group(b) for b in model.blocks] + [_group(model)]
     sizes = [_padded_bytes(g, world) for g in groups]
-    in_place = [b.in_place for g in groups for b in g.buckets]
+    in_place = [b.in_place is not None for g in groups for b in g.buckets]
     return {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "sizes": sizes, "in_place": in_place}
 
 

@@ -1,0 +1,103 @@
+"""Reduced gradients into ``.grad``, at the end of a backward that completed.
+
+Commits accumulate into existing gradients (gradient accumulation) and keep ``.grad``
+a DTensor laid out like the parameter. When one commit gives every parameter of a
+bucket a fresh gradient laid out like the shards, the flat tensor behind them is
+remembered (weakly), so the optimizer can step the bucket as one tensor while each
+``.grad`` is still one of those (``fsdp2._optim``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._param import FSDPParam
+
+if TYPE_CHECKING:
+    from ._bucket import FlatBucket
+
+
+class GradCommit:
+    def __init__(self, bucket: FlatBucket) -> None:
+        self.bucket = bucket
+        # Weak: ``zero_grad(set_to_none=True)`` frees them. (flat tensor, the gradient
+        # DTensors over it in ``params`` order)
+        self._committed: tuple[weakref.ref, list[weakref.ref]] | None = None
+
+    def commit(self) -> None:
+        """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
+        that completed, so a backward that raised leaves ``.grad`` as it was."""
+        b, ready = self.bucket, self.bucket.reduce.ready
+        flat = None
+        if len(ready) == 1 and self._all_grads_none():
+            layout, grads = ready[0][:2]
+            if len(layout.params) == len(b.params):  # every parameter, at its shard offset
+                flat = grads
+        for layout, grads, used_flags, scalar_vals in ready:
+            used = used_flags.tolist()  # flags follow layout.params, then layout.scalars
+            for flag, p, off in zip(used, layout.params, layout.offsets):
+                if flag > 0:
+                    _accumulate_grad(p, grads[off : off + p.layout.local_numel].view(p.local_shape))
+            for flag, p, value in zip(used[len(layout.params) :], layout.scalars, scalar_vals):
+                if flag > 0:
+                    _accumulate_grad(p, value.view(()))
+        ready.clear()
+        if flat is not None:
+            self._remember(flat)
+
+    def commit_direct(self, divide_factor: float) -> None:
+        """Direct mode: move the leaves' accumulated gradients into ``.grad``. When every
+        parameter got one and none had one yet, they go into one flat tensor laid out like
+        the shards, so the optimizer can step the bucket as one tensor."""
+        params = self.bucket.params
+        grads = [p.unsharded.grad for p in params]  # type: ignore[union-attr]
+        if len(grads) > 1 and not self.bucket.scalars and all(g is not None for g in grads) and self._all_grads_none():
+            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+            if divide_factor != 1:
+                flat.div_(divide_factor)
+            for p in params:
+                p.take_unsharded_grad()
+                local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
+                p.sharded.grad = p.grad_dtensor(local)  # type: ignore[union-attr]
+            self._remember(flat)
+            return
+        for p in params:
+            grad = p.take_unsharded_grad()
+            if grad is not None:
+                if divide_factor != 1:
+                    grad.div_(divide_factor)
+                _accumulate_grad(p, grad)
+
+    def flat_grad(self) -> torch.Tensor | None:
+        """The flat gradient of the last fresh commit while every parameter's ``.grad`` is
+        still the DTensor made over it (accumulating into them keeps it valid)."""
+        committed = self._committed
+        if committed is None:
+            return None
+        for p, ref in zip(self.bucket.params, committed[1]):
+            if p.sharded.grad is not ref() or ref() is None:  # type: ignore[union-attr]
+                return None
+        return committed[0]()
+
+    def _all_grads_none(self) -> bool:
+        return all(p.sharded.grad is None for p in self.bucket.params)  # type: ignore[union-attr]
+
+    def _remember(self, flat: torch.Tensor) -> None:
+        grads = [p.sharded.grad for p in self.bucket.params]  # type: ignore[union-attr]
+        self._committed = None
+        if all(g is not None for g in grads):
+            self._committed = (weakref.ref(flat), [weakref.ref(g) for g in grads])  # type: ignore[arg-type]
+
+
+def _accumulate_grad(p: FSDPParam, local: torch.Tensor) -> None:
+    param = p.sharded
+    assert param is not None
+    if param.grad is None:
+        param.grad = p.grad_dtensor(local)
+    else:
+        existing = param.grad
+        (existing.to_local() if isinstance(existing, DTensor) else existing).add_(local)

@@ -1,0 +1,306 @@
+"""The gradients of one bucket: deposit, reduce, stage.
+
+Reduce input (``W x N``, reduce dtype, pooled): the gradients that require grad laid out
+like the shards (each rank's block in its row), then one "used" flag per reduced
+parameter, then the gradients of replicated scalars. Summed over the shard ranks, row
+``r`` is rank ``r``'s result; a flag above zero means some rank produced a gradient, so
+unused parameters keep ``grad=None`` exactly as in local training, and every rank
+reduces the same bytes. With HSDP the row is then all-reduced over the replicas.
+
+Lifecycle (``ReduceState``): IDLE -> ACCUMULATING (gradients deposited) -> IN_FLIGHT
+(reduce issued) -> IDLE (staged for ``commit``). Large gloo buckets may deposit into
+the unsharded storage instead and reduce there (``InPlace``, the strategy that owns
+that trick).
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from ._collectives import Pending, all_reduce_in_place, reduce_scatter_flat, traced, wait_pending
+from ._param import FSDPParam
+
+if TYPE_CHECKING:
+    from ._bucket import FlatBucket
+
+
+class ReduceLayout(NamedTuple):
+    params: list[FSDPParam]  # reduced parameters that shard, in column order
+    scalars: list[FSDPParam]  # reduced replicated scalars
+    offsets: list[int]  # column offset of each entry of ``params``
+    grad_numel: int  # columns holding sharded gradients
+    numel: int  # columns per rank in all: gradients, flags, scalars
+    # This rank's padding columns (past a shard's real elements): never written by a
+    # deposit, zeroed in the result so a flat optimizer step keeps the padding at zero.
+    padding: list[tuple[int, int]]
+
+    @property
+    def scalar_base(self) -> int:
+        """First column of the scalars' gradients (after the flags)."""
+        return self.grad_numel + len(self.params) + len(self.scalars)
+
+
+# This rank's reduced gradients, ready for ``commit``: (layout, gradients, used flags,
+# replicated scalars' values).
+Staged = tuple[ReduceLayout, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class ReduceState(Enum):
+    IDLE = auto()  # nothing deposited since the last reduce
+    ACCUMULATING = auto()  # gradients deposited, in the pooled input or the lent storage
+    IN_FLIGHT = auto()  # the reduce is issued, not waited for
+
+
+class BucketReduce:
+    """Deposits the gradients of one bucket and reduces them over the mesh."""
+
+    def __init__(self, bucket: FlatBucket) -> None:
+        self.bucket = bucket
+        self.state = ReduceState.IDLE
+        self.deposited: list[bool] = []
+        self.ready: list[Staged] = []  # reduced, not yet in ``.grad``
+        self.divide_factor = 1.0
+        self._all_reduce = True
+        self._pending: Pending | None = None
+        self._input: torch.Tensor | None = None  # pooled, owned until reduced
+        self._scratch: torch.Tensor | None = None  # pooled, the all-to-all's receive buffer
+        self._layout: ReduceLayout | None = None
+        self._layout_key: tuple[bool, ...] = ()
+        # HSDP with ``set_requires_all_reduce(False)``: this rank's reduced row, summed over
+        # the shard ranks only, waiting for the next backward that all-reduces.
+        self._unreplicated: torch.Tensor | None = None
+
+    def _advance(self, to: ReduceState, *allowed: ReduceState) -> None:
+        if self.state not in allowed:
+            raise AssertionError(f"fsdp2 internal error: {self.bucket.name} reduce {self.state.name} -> {to.name}")
+        self.state = to
+
+    # ------------------------------------------------------------------ layout
+    def layout(self) -> ReduceLayout:
+        """The reduce layout built by the last ``refresh_layout``."""
+        return self._layout if self._layout is not None else self.refresh_layout()
+
+    def refresh_layout(self) -> ReduceLayout:
+        """Rebuild the layout if ``requires_grad`` flags changed (checked each forward)."""
+        params = self.bucket.params
+        key = tuple(bool(p.sharded is not None and p.sharded.requires_grad) for p in params)
+        if self._layout is not None and key == self._layout_key:
+            return self._layout
+        if any(self.deposited) or self.has_unsharded_grads() or self._unreplicated is not None:
+            raise RuntimeError(
+                "requires_grad of a parameter changed while gradients were being accumulated "
+                "without synchronization; change requires_grad only between optimizer steps"
+            )
+        sharded = [p for p, rg in zip(params, key) if rg and not p.is_replicated]
+        scalars = [p for p, rg in zip(params, key) if rg and p.is_replicated]
+        offsets, col = [], 0
+        for p in sharded:
+            offsets.append(col)
+            col += p.shard_numel
+        for p in params:
+            p.rs_index = -1
+        for i, p in enumerate(sharded + scalars):
+            p.rs_index = i
+        flags = len(sharded) + len(scalars)
+        padding = [
+            (off + p.layout.local_numel, off + p.shard_numel) for p, off in zip(sharded, offsets) if p.layout.padded
+        ]
+        self._layout = ReduceLayout(sharded, scalars, offsets, col, col + flags + len(scalars), padding)
+        self._layout_key = key
+        self.deposited = [False] * flags
+        return self._layout
+
+    def has_reduced_params(self) -> bool:
+        layout = self.layout()
+        return bool(layout.params or layout.scalars)
+
+    def is_complete(self) -> bool:
+        """Every parameter of the bucket is reduced (none frozen)."""
+        layout = self.layout()
+        return len(layout.params) + len(layout.scalars) == len(self.bucket.params)
+
+    def input2d(self) -> torch.Tensor:
+        """The pooled reduce input, ``W x N``, acquired on first use."""
+        b, layout = self.bucket, self.layout()
+        if self._input is None:
+            self._input = b.comm.pool.acquire(b.comm_numel(), b.reduce_dtype, b.sharded_flat.device)
+        world = b.comm.shard_size
+        return self._input[: world * layout.numel].view(world, layout.numel)
+
+    def has_pooled_input(self) -> bool:
+        return self._input is not None
+
+    # ----------------------------------------------------------------- deposit
+    def has_unsharded_grads(self) -> bool:
+        """Some unsharded leaf holds a gradient not yet moved into the reduce input."""
+        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.bucket.params)
+
+    def deposit_unsharded_grads(self) -> None:
+        """Move the leaves' gradients into the reduce input (adding to earlier ones)."""
+        with torch.no_grad():
+            for p in self.bucket.params:
+                grad = p.take_unsharded_grad()
+                if grad is not None:
+                    self.deposit(p, grad)
+
+    def deposit(self, p: FSDPParam, grad: torch.Tensor) -> None:
+        """Add (or copy, if first) ``p``'s unsharded gradient into the reduce input."""
+        layout = self.layout()
+        if p.rs_index < 0:
+            raise AssertionError(f"fsdp2 internal error: gradient for frozen parameter {p.fqn}")
+        self._advance(ReduceState.ACCUMULATING, ReduceState.IDLE, ReduceState.ACCUMULATING)
+        first = not self.deposited[p.rs_index]
+        self.deposited[p.rs_index] = True
+        in_place = self.bucket.in_place
+        if in_place is not None and in_place.lent:
+            in_place.deposit(p, grad, first)
+            return
+        buf = self.input2d()
+        if p.is_replicated:
+            write(buf[:, layout.scalar_base + layout.scalars.index(p)], grad, first)
+            return
+        region = buf[:, layout.offsets[p.rs_index] : layout.offsets[p.rs_index] + p.shard_numel]
+        p.layout.write_blocks(region, grad, accumulate=not first)
+
+    # ------------------------------------------------------------------ reduce
+    def start(self, divide_factor: float, all_reduce: bool = True) -> None:
+        """Issue the reduce of everything deposited; undeposited gradients count as zero
+        and carry a zero "used" flag. The gradients are divided by ``divide_factor``.
+        HSDP: the result is then all-reduced over the replicas, or with ``all_reduce``
+        False kept and added to the next one (``_sum_replicas``)."""
+        self._advance(ReduceState.IN_FLIGHT, ReduceState.IDLE, ReduceState.ACCUMULATING)
+        self.divide_factor = divide_factor
+        self._all_reduce = all_reduce
+        in_place = self.bucket.in_place
+        if in_place is not None and in_place.lent:
+            self._pending = in_place.start_reduce(self)
+            return
+        layout, buf, comm = self.layout(), self.input2d(), self.bucket.comm
+        with traced("fsdp2::reduce_prepare"):
+            for p, off in zip(layout.params, layout.offsets):
+                if not self.deposited[p.rs_index]:
+                    buf[:, off : off + p.shard_numel].zero_()
+            for i, p in enumerate(layout.scalars):
+                if not self.deposited[p.rs_index]:
+                    buf[:, layout.scalar_base + i].zero_()
+            flags = torch.tensor(self.deposited, dtype=buf.dtype).to(buf.device)
+            buf[:, layout.grad_numel : layout.scalar_base].copy_(flags)
+        if comm.on_gloo and comm.shard_size > 1:
+            method = "all_to_all"
+            self._scratch = comm.pool.acquire(buf.numel(), buf.dtype, buf.device)
+        else:
+            # Replicated scalars need bitwise-equal sums on every rank, but a
+            # reduce-scatter may sum each rank's row in a different order: reduce them
+            # with an all-reduce and read them from row 0 on every rank.
+            method = "all_reduce" if layout.scalars else "reduce_scatter"
+        self._pending = reduce_scatter_flat(
+            buf,
+            comm.shard_group,
+            comm.shard_rank,
+            method,
+            None if self._scratch is None else self._scratch.view(buf.shape),
+            label=f"reduce-scatter of {self.bucket.name}",
+        )
+
+    def finish(self) -> None:
+        """Wait for the reduce and stage this rank's gradients for ``commit``."""
+        assert self._pending is not None, "fsdp2 internal error: no reduce-scatter issued"
+        in_place = self.bucket.in_place
+        if in_place is not None and in_place.staged is not None:  # staged on gloo's thread
+            staged = in_place.finish_reduce(self._pending.label)
+        else:
+            staged = self._stage_from_pool(wait_pending(self._pending))
+        self._pending = None
+        self.deposited = [False] * len(self.deposited)
+        self._advance(ReduceState.IDLE, ReduceState.IN_FLIGHT)
+        if staged is not None:
+            self.ready.append(staged)
+
+    def _stage_from_pool(self, result: torch.Tensor) -> Staged | None:
+        """The pooled reduce completed: copy out this rank's row, then release the buffer."""
+        layout, b = self.layout(), self.bucket
+        if b.comm.is_hsdp:
+            summed = self._sum_replicas(result, layout)
+            if summed is None:
+                self.release_buffers()
+                return None
+            result = summed
+        with traced("fsdp2::grad_copy"):
+            grads = result[: layout.grad_numel].to(b.dtype, copy=True)
+            # Kept as a tensor: reading it (a device sync on GPUs) waits for commit_grads.
+            used = result[layout.grad_numel : layout.scalar_base].clone()
+            # Replicated scalars: bitwise equal on every rank in row 0 after an all-reduce,
+            # and in every rank's own row after an all-to-all (summed alike everywhere).
+            row = result if b.comm.on_gloo or b.comm.is_hsdp else self.input2d()[0]
+            scalar_vals = row[layout.scalar_base : layout.numel].to(b.dtype, copy=True)
+            staged = stage(layout, grads, used, scalar_vals, self.divide_factor)
+        self.release_buffers()
+        return staged
+
+    def _sum_replicas(self, result: torch.Tensor, layout: ReduceLayout) -> torch.Tensor | None:
+        """HSDP: sum this rank's reduced row over the replicas (adding what earlier
+        backwards without all-reduce kept), or keep it for later: None then."""
+        comm = self.bucket.comm
+        row = result[: layout.numel]
+        if not comm.on_gloo and layout.scalars:
+            # Replicated scalars are bitwise equal across the shard ranks in row 0 only.
+            row[layout.scalar_base :].copy_(self.input2d()[0, layout.scalar_base : layout.numel])
+        if self._unreplicated is not None:
+            row.add_(self._unreplicated)
+            self._unreplicated = None
+        if not self._all_reduce:
+            self._unreplicated = row.clone()
+            return None
+        assert comm.replicate_group is not None
+        wait_pending(all_reduce_in_place(row, comm.replicate_group, label=f"all-reduce of {self.bucket.name}"))
+        return row
+
+    def release_buffers(self) -> None:
+        """The reduce input and the all-to-all's receive buffer go back to the pool."""
+        for buf in (self._input, self._scratch):
+            if buf is not None:
+                self.bucket.comm.pool.release(buf)
+        self._input = self._scratch = None
+
+    def drop(self) -> None:
+        """Forget deposited gradients and any reduce (after an exception)."""
+        self.ready.clear()
+        for p in self.bucket.params:
+            p.take_unsharded_grad()
+        pending, self._pending = self._pending, None
+        in_place = self.bucket.in_place
+        try:
+            if pending is not None:
+                if in_place is not None and in_place.staged is not None:
+                    in_place.finish_reduce(pending.label, discard=True)
+                else:
+                    wait_pending(pending)
+        finally:
+            self.release_buffers()
+            self._unreplicated = None
+            self.deposited = [False] * len(self.deposited)
+            self.state = ReduceState.IDLE
+
+
+def stage(
+    layout: ReduceLayout, grads: torch.Tensor, used: torch.Tensor, scalar_vals: torch.Tensor, divide_factor: float
+) -> Staged:
+    """This rank's reduced gradients as ``commit`` takes them: the padding zeroed (a flat
+    optimizer step keeps it at zero) and everything divided."""
+    for start, end in layout.padding:
+        grads[start:end].zero_()
+    if divide_factor != 1:
+        grads.div_(divide_factor)
+        scalar_vals.div_(divide_factor)
+    return layout, grads, used, scalar_vals
+
+
+def write(dst: torch.Tensor, src: torch.Tensor, first: bool) -> None:
+    if first:
+        dst.copy_(src)
+    else:
+        dst.add_(src)
+
