@@ -54,13 +54,14 @@ class GradCommit:
         parameter got one and none had one yet, they go into one flat tensor laid out like
         the shards, so the optimizer can step the bucket as one tensor."""
         params = self.bucket.params
-        grads = [p.unsharded.grad for p in params]  # type: ignore[union-attr]
-        if len(grads) > 1 and not self.bucket.scalars and all(g is not None for g in grads) and self._all_grads_none():
+        has_grads = [p.unsharded.grad is not None for p in params]  # type: ignore[union-attr]
+        if len(params) > 1 and not self.bucket.scalars and all(has_grads) and self._all_grads_none():
+            # Local tensors: a tensor-parallel leaf's gradient is a TP DTensor.
+            grads = [p.take_unsharded_grad() for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
             if divide_factor != 1:
                 flat.div_(divide_factor)
             for p in params:
-                p.take_unsharded_grad()
                 local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
                 p.sharded.grad = p.grad_dtensor(local)  # type: ignore[union-attr]
             self._remember(flat)

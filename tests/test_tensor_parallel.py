@@ -30,6 +30,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "dp_tp_reshard_false": dict(mesh=(2, 2), names=("dp", "tp"), raf=False),
     # Shard(1) of the local tensors (TP then shards dim 0 or 1 too).
     "dp_tp_shard_1": dict(mesh=(2, 2), names=("dp", "tp"), placement=True),
+    # Tensor parallel alone: a data-parallel mesh of one rank (nothing to gather or reduce).
+    "tp_only": dict(mesh=(1, 4), names=("dp", "tp"), model=dict(heads=4), sp=False),
     # HSDP x TP: 2 replicas x 1 shard x tp 2.
     "hsdp_tp": dict(mesh=(2, 1, 2), names=("replicate", "shard", "tp")),
 }
@@ -50,8 +52,8 @@ def _shard_1(p: torch.nn.Parameter) -> Shard | None:
 
 def _run(cfg: dict[str, Any], lib: Any) -> dict[str, Any]:
     torch.manual_seed(0)
-    ref = TPModel().double()
-    model = TPModel().double()
+    ref = TPModel(**cfg.get("model", {})).double()
+    model = TPModel(**cfg.get("model", {})).double()
     model.load_state_dict(ref.state_dict())
     mesh = init_device_mesh("cpu", cfg["mesh"], mesh_dim_names=cfg["names"])
     dp_names = cfg["names"][:-1]
