@@ -53,15 +53,20 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = args.n_heads
         self.head_dim = args.dim // args.n_heads
-        self.wqkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
+        # Separate projections (not one fused wqkv): colwise tensor parallel then gives
+        # each rank whole heads of q, k and v.
+        self.wq = nn.Linear(args.dim, args.dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.wqkv(x).view(b, s, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        b, s = x.shape[:2]
+        # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -113,7 +118,7 @@ class Transformer(nn.Module):
 class TransformerStage(nn.Module):
     """Layers ``[start, end)`` of a ``Transformer`` as one pipeline stage, with the token
     embedding (first stage) and the final norm and output (last stage). Parameter names
-    are the full model's (``layers.3.attention.wqkv.weight``), so checkpoints of a
+    are the full model's (``layers.3.attention.wq.weight``), so checkpoints of a
     pipelined run and of a plain one have the same keys."""
 
     def __init__(self, model: Transformer, start: int, end: int) -> None:

@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 2 examples/train.py
     torchrun --standalone --nproc-per-node 2 examples/train.py --ac selective   # or --ac full
     torchrun --standalone --nproc-per-node 4 examples/train.py --pp 2           # pp 2 x dp 2
+    torchrun --standalone --nproc-per-node 4 examples/train.py --tp 2           # dp 2 x tp 2
+    torchrun --standalone --nproc-per-node 4 examples/train.py --hsdp 2         # HSDP: 2 replicas x 2 shards
 
 CPU + gloo by default; GPUs + NCCL when CUDA is available (one GPU per rank).
 Each block is its own fsdp2 group, plus the root (embeddings, final norm, output).
@@ -14,6 +16,16 @@ rest. ``--pp N`` splits the blocks into pipeline stages on a (pp N, dp world/N) 
 each stage's blocks and the stage itself sharded over dp, run by ``--pp-schedule``
 (micro-batches: ``--microbatches``); the data-parallel ranks see the same data as a
 plain run on world/N ranks, so the losses agree.
+
+``--tp N`` adds tensor parallelism, torchtitan style: on a (dp world/N, tp N) mesh the
+model is first parallelized over ``mesh["tp"]`` (rowwise embedding, colwise q/k/v and
+w1/w3, rowwise wo and w2, sequence-parallel norms, colwise output with replicated
+logits), then each block and the root are sharded with ``fully_shard`` over
+``mesh["dp"]``. The ranks of one tp group train on the same data, the dp rank's, so the
+losses agree with a plain run on world/N ranks. ``--hsdp N`` shards over a
+(replicate N, shard world/N) mesh instead of a flat one (HSDP: reduce-scatter within a
+replica, all-reduce across replicas); the data is the plain run's on the same world.
+Both together make a (replicate, shard, tp) mesh. Neither combines with ``--pp``.
 
 Checkpointing: ``--ckpt-dir DIR --save-every N`` saves model, optimizer, step and RNG
 with torch.distributed.checkpoint into ``DIR/step-NNNNNN`` (written to a temporary
@@ -52,6 +64,12 @@ V_SHAPED = {"ZBVZeroBubble"}
 SPLIT_BACKWARD = {"ZBVZeroBubble"}  # input and weight gradients in two passes
 
 
+def ffn_hidden_dim(dim: int, multiple_of: int = 8) -> int:
+    """SwiGLU's 8/3 * dim, rounded up to a multiple of 8 as Llama does (to 256 there):
+    tensor parallel splits it evenly (torch's TP plans need even shards)."""
+    return -(-int(8 * dim / 3) // multiple_of) * multiple_of
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
@@ -69,6 +87,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (divides the world size)")
     p.add_argument("--pp-schedule", choices=["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"], default="1F1B")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (divide --batch-size)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: a (dp world/N, tp N) mesh, torchtitan's Llama plan")
+    p.add_argument("--hsdp", type=int, default=1,
+                   help="HSDP replicas: fully_shard over a (replicate N, shard world/N) mesh")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here and resume from the latest")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (needs --ckpt-dir)")
@@ -79,6 +101,22 @@ def parse_args() -> argparse.Namespace:
     if args.pp > 1 and args.ac == "selective" and args.pp_schedule in SPLIT_BACKWARD:
         p.error(f"--ac selective cannot run with {args.pp_schedule}: its split backward runs twice over each "
                 "block, which torch's selective checkpointing refuses; use --ac full or another schedule")
+    if args.tp < 1 or args.hsdp < 1 or args.pp < 1:
+        p.error("--tp, --hsdp and --pp must be at least 1")
+    if args.dim % (2 * args.heads):
+        p.error(f"--dim ({args.dim}) must be a multiple of 2 x --heads ({args.heads}): "
+                "rotary embeddings rotate pairs of each head's dimensions")
+    if args.pp > 1 and (args.tp > 1 or args.hsdp > 1):
+        p.error("--pp cannot be combined with --tp or --hsdp in this example")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if world % (args.tp * args.hsdp):
+        p.error(f"--tp {args.tp} x --hsdp {args.hsdp} must divide the world size {world}")
+    if args.tp > 1 and (args.heads % args.tp or args.seq_len % args.tp):
+        p.error(f"--tp {args.tp} must divide --heads ({args.heads}: each rank takes whole heads) and "
+                f"--seq-len ({args.seq_len}: sequence parallelism splits the sequence)")
+    if args.tp > 1 and (args.vocab % args.tp or ffn_hidden_dim(args.dim) % args.tp):
+        p.error(f"--tp {args.tp} must divide --vocab ({args.vocab}) and the MLP's hidden size "
+                f"({ffn_hidden_dim(args.dim)} for --dim {args.dim}): tensor parallel splits them evenly")
     stages = args.pp * (2 if args.pp_schedule in LOOPED else 1)
     if args.pp > 1 and (args.layers % stages or args.batch_size % args.microbatches):
         p.error(f"--pp {args.pp} with {args.pp_schedule} makes {stages} stages: --layers ({args.layers}) must be "
@@ -230,13 +268,81 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def parallelize_tp(model: Transformer, tp_mesh: Any) -> None:
+    """``--tp``: torchtitan's Llama plan. The sequence is sharded (``Shard(1)``) between
+    the blocks and through the norms (sequence parallel), gathered before attention and
+    the MLP, whose first matmuls are colwise (each rank its own heads and hidden units)
+    and whose last are rowwise, reduce-scattered back to sequence shards. The logits
+    come out replicated, so the loss is the plain one. The rotary tables stay plain
+    tensors (the sequence is whole where they are used)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def data_parallel_mesh(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, int]:
+    """The mesh ``fully_shard`` shards over (None: its default, every rank), the tensor-
+    parallel mesh (None without ``--tp``) and this rank's data index: its position in
+    the data-parallel mesh, which is the global rank without ``--tp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if args.tp == 1 and args.hsdp == 1:
+        return None, None, dist.get_rank()
+    if args.hsdp > 1:  # HSDP: replicas of world / (hsdp * tp) shards each
+        shape, names = [args.hsdp, world // (args.hsdp * args.tp)], ["replicate", "shard"]
+    else:
+        shape, names = [world // args.tp], ["dp"]
+    if args.tp == 1:
+        return init_device_mesh(device.type, tuple(shape), mesh_dim_names=tuple(names)), None, dist.get_rank()
+    mesh = init_device_mesh(device.type, (*shape, args.tp), mesh_dim_names=(*names, "tp"))
+    dp_mesh = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+    data_rank = 0
+    for size, index in zip(dp_mesh.shape, dp_mesh.get_coordinate()):
+        data_rank = data_rank * size + index
+    return dp_mesh, mesh["tp"], data_rank
+
+
 def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, device: torch.device) -> Trainer:
+    """No pipeline: FSDP over every rank, or HSDP (``--hsdp``), over tensor parallel (``--tp``)."""
+    dp_mesh, tp_mesh, data_rank = data_parallel_mesh(args, device)
     with torch.device("meta" if args.meta_init else device):
         model = Transformer(margs)
+    if tp_mesh is not None:
+        parallelize_tp(model, tp_mesh)  # before the checkpoint wrappers change the module paths
     checkpoint_blocks(model, args.ac)
     for layer in model.layers:
-        lib.fully_shard(layer, mp_policy=mp)
-    lib.fully_shard(model, mp_policy=mp)
+        lib.fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    lib.fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     if args.meta_init:
         model.to_empty(device=device)
     init_weights(model, args.seed)
@@ -246,7 +352,7 @@ def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, d
         loss.backward()
         return loss
 
-    return Trainer(model, train_step, dist.get_rank())
+    return Trainer(model, train_step, data_rank)
 
 
 def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, device: torch.device) -> Trainer:
@@ -325,7 +431,7 @@ def main() -> None:
     lib = importlib.import_module("fsdp2" if args.impl == "fsdp2" else "torch.distributed.fsdp")
     margs = ModelArgs(
         vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-        hidden_dim=int(8 * args.dim / 3), max_seq_len=args.seq_len,
+        hidden_dim=ffn_hidden_dim(args.dim), max_seq_len=args.seq_len,
     )
     mp = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else lib.MixedPrecisionPolicy()
     build = build_pipeline if args.pp > 1 else build_plain
@@ -334,7 +440,9 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"{args.impl}: {n_params / 1e6:.2f}M parameters on rank 0, world size {world}, pp {args.pp}, "
-              f"ac {args.ac}, device {device.type}", flush=True)
+              f"tp {args.tp}, hsdp {args.hsdp}, ac {args.ac}, device {device.type}", flush=True)
+    # Tokens a step trains on, all data-parallel ranks together (a tp group shares its batch).
+    step_tokens = args.batch_size * args.seq_len * world // (args.pp * args.tp)
     start_step = 0
     if args.ckpt_dir:
         if rank == 0:
@@ -358,7 +466,7 @@ def main() -> None:
         shown = f"{loss.item():.4f}" if loss is not None else "  -   "  # pipeline: the last stage has it
         print(
             f"rank {rank} data {data_rank} step {step:3d} loss {shown} step_time {elapsed * 1e3:7.1f} ms "
-            f"peak_mem {peak_memory_mb(device):8.1f} MB",
+            f"tokens/s {step_tokens / elapsed:9.0f} peak_mem {peak_memory_mb(device):8.1f} MB",
             flush=True,
         )
         if args.save_every and (step + 1) % args.save_every == 0:
