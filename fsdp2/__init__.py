@@ -1,11 +1,12 @@
 """fsdp2: fully sharded data parallel training, a drop-in for torch's ``fully_shard``."""
 
 from ._state_dict import StateDictError
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

@@ -66,6 +66,9 @@ class FlatBucket:
         for i, p in enumerate(self.scalars):
             p.offset = offset + i
         self.shard_numel = offset  # S
+        # Every parameter shards on dim 0 (or one rank): the gathered blocks, rank-major,
+        # are the unsharded parameters, so gathers write straight into them.
+        self.blocks_are_the_values = all(p.layout.blocks_are_the_value for p in self.sharded_params)
         self._pending_gather: Pending | None = None
         self._gather_buf: torch.Tensor | None = None  # pooled, owned until copied out
         self._gather_input: torch.Tensor | None = None  # kept alive until the gather is waited
@@ -143,12 +146,6 @@ class FlatBucket:
             return flat[self.comm.shard_size * self.shard_numel + (p.offset - self.shard_numel)].view(())
         start = self.comm.shard_size * p.offset
         return flat[start : start + p.layout.shape.numel()].view(p.layout.shape)
-
-    @property
-    def blocks_are_the_values(self) -> bool:
-        """Every parameter shards on dim 0 (or one rank): the gathered blocks, rank-major,
-        are the unsharded parameters, so gathers write straight into them."""
-        return all(p.layout.blocks_are_the_value for p in self.sharded_params)
 
     def optimizer_flat_alias(self) -> torch.Tensor:
         """A plain tensor sharing the sharded flat buffer, stepped by the optimizer in

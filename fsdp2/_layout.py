@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -31,11 +32,11 @@ class ShardLayout:
     world: int  # shard ranks
     rank: int  # this rank among them
 
-    @property
+    @cached_property
     def is_replicated(self) -> bool:
         return len(self.shape) == 0
 
-    @property
+    @cached_property
     def chunk(self) -> int:
         """Slices along ``dim`` that every rank's block has room for."""
         return 1 if self.is_replicated else -(-self.shape[self.dim] // self.world)
@@ -46,25 +47,25 @@ class ShardLayout:
             return 1
         return max(0, min(self.chunk, self.shape[self.dim] - rank * self.chunk))
 
-    @property
+    @cached_property
     def start(self) -> int:
         return 0 if self.is_replicated else self.rank * self.chunk
 
-    @property
+    @cached_property
     def length(self) -> int:
         return self.length_of(self.rank)
 
-    @property
+    @cached_property
     def slice_numel(self) -> int:
         """Elements of one slice along ``dim``."""
         return math.prod(s for i, s in enumerate(self.shape) if i != self.dim)
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         """Elements of one rank's block in the flat layouts, padding included."""
         return 0 if self.is_replicated else self.chunk * self.slice_numel
 
-    @property
+    @cached_property
     def local_numel(self) -> int:
         return 1 if self.is_replicated else self.length * self.slice_numel
 
@@ -75,17 +76,17 @@ class ShardLayout:
         shape[self.dim] = self.length_of(rank)
         return tuple(shape)
 
-    @property
+    @cached_property
     def local_shape(self) -> tuple[int, ...]:
         return self.shape_of(self.rank)
 
-    @property
+    @cached_property
     def blocks_are_the_value(self) -> bool:
         """The rank-major blocks, read from the start, are the parameter itself (dim 0):
         gathers may write straight into the unsharded value."""
         return self.is_replicated or self.dim == 0 or self.world == 1
 
-    @property
+    @cached_property
     def padded(self) -> bool:
         return self.length < self.chunk
 

@@ -61,6 +61,10 @@ class FSDPParam:
             self.tp = (param.device_mesh, tuple(param.placements))
             local_shape = param._local_tensor.shape
         self.layout = ShardLayout(local_shape, dim, info.shard_size, info.shard_rank)
+        # Read on the hot path (deposit, reduce, commit): plain attributes.
+        self.is_replicated = self.layout.is_replicated
+        self.shard_numel = self.layout.shard_numel
+        self.local_shape = self.layout.local_shape
         fsdp: Placement = Replicate() if self.layout.is_replicated else Shard(dim)
         if self.tp is None:
             self.mesh = info.mesh
@@ -86,18 +90,6 @@ class FSDPParam:
         self._grad_acc: Any = None  # its AccumulateGrad node, held (``_settle_holders``)
         self._quiet_holders = (-1, 0)
         self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
-
-    @property
-    def is_replicated(self) -> bool:
-        return self.layout.is_replicated
-
-    @property
-    def shard_numel(self) -> int:
-        return self.layout.shard_numel
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return self.layout.local_shape
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the parameter's value ``full``: its own local tensor (a TP

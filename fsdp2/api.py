@@ -60,3 +60,26 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which dims of a full SPMD mesh are data parallel (``fully_shard(...,
+    dp_mesh_dims=...)``, torch 2.13's name and fields).
+
+    Attributes:
+        shard: mesh dim name(s) parameters are sharded over (several are flattened).
+        replicate: mesh dim name(s) of HSDP's replicas (several are flattened).
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims needs shard, replicate or both set to mesh dim names")
+        for name in ("shard", "replicate"):
+            value = getattr(self, name)
+            names = value if isinstance(value, tuple) else (value,)
+            if value is not None and not all(isinstance(n, str) for n in names):
+                raise TypeError(f"DataParallelMeshDims.{name} expects a dim name or a tuple of them, got {value!r}")

@@ -28,7 +28,7 @@ from ._mesh import MeshInfo, mesh_device
 from ._param import FSDPParam, unsharded_owner
 from ._state import FSDPState
 from ._state_dict import register_state_dict_hooks, validate_state_dict
-from .api import MixedPrecisionPolicy, OffloadPolicy
+from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 # id(sharded parameter) -> its FSDPParam, for every parameter some fully_shard call
 # manages. Weak on our FSDPParam, not on the tensor: a weakref on a parameter makes
@@ -54,6 +54,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shard ``module``'s parameters over ``mesh`` in place and return ``module``.
 
@@ -78,7 +79,16 @@ def fully_shard(
         mp_policy: mixed precision, see ``MixedPrecisionPolicy``.
         offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()``.
         ignored_params: parameters left plain: not sharded, not synchronized.
+        dp_mesh_dims: not supported yet (parameters that are DTensors on a full SPMD
+            mesh); raises. Pass the data-parallel sub-mesh instead.
     """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}) on a full SPMD mesh is not supported yet; "
+            "parallelize over the non-data-parallel dims (e.g. parallelize_module(model, mesh['tp'], plan)) "
+            "and pass the data-parallel sub-mesh: fully_shard(module, mesh=mesh['dp']) or, for HSDP, "
+            "mesh['replicate', 'shard']"
+        )
     modules = _validate_modules(module)
     mesh = _default_mesh() if mesh is None else mesh
     _validate_mesh(mesh)

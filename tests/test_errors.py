@@ -36,6 +36,7 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     before = lin.weight
     check("mesh_type", lambda: fsdp2.fully_shard(lin, mesh="cpu"), TypeError, "expects a DeviceMesh, got str")
     check("mesh_3d", lambda: fsdp2.fully_shard(lin, mesh=mesh3d), ValueError, "parallelize the model over mesh['tp'] first")
+    check("dp_mesh_dims", lambda: fsdp2.fully_shard(lin, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp")), NotImplementedError, "pass the data-parallel sub-mesh")
     check("mesh_2d_unnamed", lambda: fsdp2.fully_shard(lin, mesh=unnamed2d), ValueError, "without mesh_dim_names")
     check("raf_type", lambda: fsdp2.fully_shard(lin, reshard_after_forward="yes"), TypeError, "reshard_after_forward expects")
     check("raf_divisor", lambda: fsdp2.fully_shard(lin, reshard_after_forward=3), ValueError, "must divide the shard size")
