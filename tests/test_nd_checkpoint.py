@@ -230,13 +230,28 @@ def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("nd_checkpoint"))
 
 
+def _paths(root: str, lib_name: str) -> tuple[str, str]:
+    return os.path.join(root, lib_name, "dp_tp"), os.path.join(root, lib_name, "hsdp")
+
+
+def _both4(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
+    """Both libraries in one set of ranks (spawning them costs more than the runs)."""
+    return {lib_name: _worker4(rank, world, lib_name, *_paths(root, lib_name)) for lib_name in LIBS}
+
+
+def _both2(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
+    return {lib_name: _worker2(rank, world, lib_name, _paths(root, lib_name)[0]) for lib_name in LIBS}
+
+
 @functools.cache
+def _spawned(root: str) -> tuple[list[dict], list[dict]]:
+    w4 = run_ranks(_both4, 4, root)
+    return w4, run_ranks(_both2, 2, root)  # the same checkpoints, at world 2
+
+
 def _results(lib_name: str, root: str) -> dict[str, list[dict[str, Any]]]:
-    path_2d = os.path.join(root, lib_name, "dp_tp")
-    path_hsdp = os.path.join(root, lib_name, "hsdp")
-    w4 = run_ranks(_worker4, 4, lib_name, path_2d, path_hsdp)
-    w2 = run_ranks(_worker2, 2, lib_name, path_2d)  # the same checkpoint, at world 2
-    return {"w4": w4, "w2": w2}
+    w4, w2 = _spawned(root)
+    return {"w4": [out[lib_name] for out in w4], "w2": [out[lib_name] for out in w2]}
 
 
 def _get(outs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -103,9 +103,18 @@ def _worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     return out
 
 
+def _both(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    """Both libraries in one set of ranks (spawning them costs more than the runs)."""
+    return {lib_name: _worker(rank, world, lib_name) for lib_name in ("fsdp2", "torch")}
+
+
 @functools.cache
+def _spawned() -> list[dict[str, dict[str, Any]]]:
+    return run_ranks(_both, 4)
+
+
 def _results(lib_name: str) -> list[dict[str, Any]]:
-    return run_ranks(_worker, 4, lib_name)
+    return [out[lib_name] for out in _spawned()]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
