@@ -1,7 +1,7 @@
 """State dict support.
 
 ``state_dict()`` needs nothing from us: the registered parameters are the sharded
-DTensors, so keys are the unsharded model's and values are ``Shard(0)`` DTensors, with
+DTensors, so keys are the unsharded model's and values are sharded DTensors, with
 no communication. Loading needs two things:
 
 * a pre-hook per module owning managed parameters turns a full plain tensor (say, a

@@ -61,21 +61,24 @@ def fully_shard(
     Parameters under ``module`` that no earlier (bottom-up) call manages form one
     group: they are all-gathered in one collective before the module's forward and
     their gradients reduce-scattered in one collective after its backward. Each
-    becomes an ``nn.Parameter`` holding a ``Shard(0)`` DTensor (0-dim ones a
-    ``Replicate()`` DTensor) under its original name. ``module``'s class is swapped
-    to a subclass of ``FSDPModule`` and of its original class.
+    becomes an ``nn.Parameter`` holding a DTensor sharded on dim 0 (or the dim
+    ``shard_placement_fn`` gives; 0-dim ones ``Replicate()``) under its original name;
+    a tensor-parallel DTensor parameter lives on the data-parallel and TP dims together.
+    ``module``'s class is swapped to a subclass of ``FSDPModule`` and of its original class.
 
     Args:
         module: a module, or a list of modules sharing one group.
-        mesh: 1D DeviceMesh; ``None`` means the default process group on the
-            default device type.
+        mesh: 1D DeviceMesh (FSDP) or 2D ``(replicate, shard)`` DeviceMesh with
+            ``mesh_dim_names`` (HSDP); ``None`` means the default process group on
+            the default device type.
         reshard_after_forward: ``True`` frees the unsharded parameters after forward
             (re-gathered in backward), ``False`` keeps them, an int ``N`` keeps
             ``1/N`` of them so the backward all-gather runs over ``N`` ranks (a
-            divisor of the mesh size other than 1 and the size). ``None``: ``True``,
+            divisor of the shard size other than 1 and the size). ``None``: ``True``,
             except ``False`` for the root module and for the last module to run
             forward, whose backward comes first.
-        shard_placement_fn: may return ``None`` or ``Shard(0)`` per parameter.
+        shard_placement_fn: may return ``None`` (dim 0) or ``Shard(d)`` per parameter,
+            any dim, negative too; sizes need not divide the shard count.
         mp_policy: mixed precision, see ``MixedPrecisionPolicy``.
         offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()``.
         ignored_params: parameters left plain: not sharded, not synchronized.
