@@ -2,10 +2,11 @@
 
 ``fully_shard`` gets a 1-D mesh (FSDP: every rank holds a shard) or a 2-D mesh
 ``(replicate, shard)`` (HSDP: parameters are sharded within a shard group and
-replicated across shard groups). A ``MeshInfo`` names the two process groups, this
-rank's place in each and their sizes (replicate size 1 when absent), and the
-placements the data-parallel mesh dimensions give a parameter. Buckets read nothing
-else about the mesh.
+replicated across shard groups), or a full SPMD mesh and the names of its
+data-parallel dims (``dp_mesh_dims``: parameters are DTensors on the whole mesh,
+replicated over those dims). A ``MeshInfo`` names the two process groups, this rank's
+place in each and their sizes (replicate size 1 when absent), and the placements the
+data-parallel mesh dimensions give a parameter. Buckets read nothing else about the mesh.
 """
 
 from __future__ import annotations
@@ -19,6 +20,45 @@ from torch.distributed.tensor import Placement, Replicate
 
 from ._buffers import BufferPool
 from ._collectives import cached_group
+from .api import DataParallelMeshDims
+
+
+@dataclass(frozen=True)
+class SpmdDims:
+    """A full SPMD mesh (``fully_shard(..., dp_mesh_dims=...)``) and where its
+    data-parallel dims are: parameters are DTensors on ``mesh`` with ``Replicate()`` on
+    those dims, and their shards are DTensors on it too."""
+
+    mesh: DeviceMesh
+    shard: tuple[int, ...]  # indices of the dims sharded over (flattened when several)
+    replicate: tuple[int, ...]  # indices of the replica dims
+    dp_mesh: DeviceMesh  # the data-parallel dims as one (shard) or two (replicate, shard) dims
+
+    @property
+    def dp(self) -> frozenset[int]:
+        return frozenset(self.shard + self.replicate)
+
+    @classmethod
+    def split(cls, mesh: DeviceMesh, dims: DataParallelMeshDims) -> tuple[DeviceMesh, SpmdDims]:
+        """The data-parallel mesh to shard over (1-D, or ``(replicate, shard)``) and
+        the description of ``mesh``; names already validated."""
+        names = mesh.mesh_dim_names
+        assert names is not None
+        shard = _flat(mesh, dims.shard_names)
+        dp = shard
+        if dims.replicate_names:
+            dp = DeviceMesh._concatenate([_flat(mesh, dims.replicate_names), shard])
+        spmd = cls(
+            mesh=mesh,
+            shard=tuple(names.index(n) for n in dims.shard_names),
+            replicate=tuple(names.index(n) for n in dims.replicate_names),
+            dp_mesh=dp,
+        )
+        return dp, spmd
+
+
+def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
 
 @dataclass(frozen=True)
@@ -34,9 +74,10 @@ class MeshInfo:
     # gloo: pooled reduces run as an all-to-all plus a local sum, large buckets may
     # gather and reduce in place (both faster than gloo's all-gather/reduce-scatter).
     on_gloo: bool
+    spmd: SpmdDims | None = None  # set when fully_shard got a full SPMD mesh and dp_mesh_dims
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, pool: BufferPool) -> MeshInfo:
+    def from_mesh(cls, mesh: DeviceMesh, pool: BufferPool, spmd: SpmdDims | None = None) -> MeshInfo:
         shard_dim = mesh.ndim - 1
         shard_group = mesh.get_group(shard_dim)
         replicate = mesh.ndim == 2
@@ -50,6 +91,7 @@ class MeshInfo:
             replicate_size=mesh.size(0) if replicate else 1,
             pool=pool,
             on_gloo=dist.get_backend(shard_group) == "gloo",
+            spmd=spmd,
         )
 
     @property

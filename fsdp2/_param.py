@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._layout import ShardLayout
-from ._mesh import MeshInfo
+from ._mesh import MeshInfo, SpmdDims
 
 
 # id(unsharded leaf) -> its FSDPParam (weakly), to tell an optimizer that was handed the
@@ -66,7 +66,14 @@ class FSDPParam:
         self.shard_numel = self.layout.shard_numel
         self.local_shape = self.layout.local_shape
         fsdp: Placement = Replicate() if self.layout.is_replicated else Shard(dim)
-        if self.tp is None:
+        # Mesh dims of the unsharded DTensor whose gradient placements are left to the
+        # reduce (SPMD meshes: the data-parallel dims); the rest are redistributed to tp's.
+        self.dp_dims: frozenset[int] = frozenset()
+        if info.spmd is not None:
+            assert self.tp is not None, "fsdp2 internal error: SPMD parameters are DTensors"
+            self.mesh, self.placements = _spmd_placements(info.spmd, self.tp[1], fsdp, dim)
+            self.dp_dims = info.spmd.dp
+        elif self.tp is None:
             self.mesh = info.mesh
             self.placements: tuple[Placement, ...] = info.dp_placements(fsdp)
         else:
@@ -190,8 +197,11 @@ class FSDPParam:
         leaf.grad = None  # type: ignore[union-attr]
         if isinstance(grad, DTensor):  # tensor parallel: the local part of the TP layout
             assert self.tp is not None
-            if tuple(grad.placements) != self.tp[1]:  # e.g. Partial: reduce over TP first
-                grad = grad.redistribute(self.tp[0], self.tp[1])
+            # e.g. Partial: reduce over TP first; the data-parallel dims of an SPMD mesh
+            # stay as they are (a Partial there is what the reduce sums)
+            target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, self.tp[1])))
+            if tuple(grad.placements) != target:
+                grad = grad.redistribute(self.tp[0], target)
             grad = grad.to_local()
         return grad
 
@@ -220,6 +230,39 @@ def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) ->
     out._spec = spec
     out._local_tensor = local
     return out
+
+
+def _spmd_placements(
+    spmd: SpmdDims, placements: tuple[Placement, ...], fsdp: Placement, dim: int
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of a shard of a DTensor parameter on a full SPMD mesh.
+
+    Each data-parallel shard dim's ``Replicate()`` becomes ``Shard(dim)``, or
+    ``_StridedShard(dim, split_factor=k)`` when later mesh dims shard ``dim`` too (``k``
+    the product of their sizes): the local tensor was split by those first. Several
+    shard dims were flattened into one group: the shard then lives on the data-parallel
+    mesh (flattened, and ``(replicate, shard)`` under HSDP) in the first shard dim's place."""
+    mesh = spmd.mesh
+    out = list(placements)
+    for i in spmd.shard:
+        split = math.prod(
+            mesh.size(j) for j in range(i + 1, mesh.ndim) if isinstance(out[j], Shard) and out[j].dim == dim
+        )
+        out[i] = _StridedShard(dim, split_factor=split) if split > 1 and isinstance(fsdp, Shard) else fsdp
+    if len(spmd.shard) == 1:
+        return mesh, tuple(out)
+    names = mesh.mesh_dim_names
+    assert names is not None
+    meshes: list[DeviceMesh] = []
+    spec: list[Placement] = []
+    for i in range(mesh.ndim):
+        if i == spmd.shard[0]:
+            meshes.append(spmd.dp_mesh)
+            spec.extend([Replicate(), out[i]] if spmd.replicate else [out[i]])
+        elif i not in spmd.dp:
+            meshes.append(mesh[names[i]])
+            spec.append(out[i])
+    return DeviceMesh._concatenate(meshes), tuple(spec)
 
 
 def _concatenate(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:

@@ -83,3 +83,17 @@ class DataParallelMeshDims:
             names = value if isinstance(value, tuple) else (value,)
             if value is not None and not all(isinstance(n, str) for n in names):
                 raise TypeError(f"DataParallelMeshDims.{name} expects a dim name or a tuple of them, got {value!r}")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

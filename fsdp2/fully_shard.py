@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _classes, _optim
 from ._buffers import BufferPool
 from ._group import ParamGroup, ShardState, TrainingState
-from ._mesh import MeshInfo, mesh_device
+from ._mesh import MeshInfo, SpmdDims, mesh_device
 from ._param import FSDPParam, unsharded_owner
 from ._state import FSDPState
 from ._state_dict import register_state_dict_hooks, validate_state_dict
@@ -82,28 +82,30 @@ def fully_shard(
         mp_policy: mixed precision, see ``MixedPrecisionPolicy``.
         offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()``.
         ignored_params: parameters left plain: not sharded, not synchronized.
-        dp_mesh_dims: not supported yet (parameters that are DTensors on a full SPMD
-            mesh); raises. Pass the data-parallel sub-mesh instead.
+        dp_mesh_dims: with ``mesh`` the full SPMD mesh (e.g. ``('dp', 'tp')``) whose
+            parameters are already DTensors on it, replicated over the dims named here:
+            ``shard`` (one name, or several flattened into one) and optionally
+            ``replicate`` (HSDP). Their shards stay DTensors on that mesh (``Shard`` or
+            ``_StridedShard`` on the shard dim); gradient placements on the data-parallel
+            dims (e.g. ``Partial`` from a batch sharded there) are left to the reduce.
     """
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}) on a full SPMD mesh is not supported yet; "
-            "parallelize over the non-data-parallel dims (e.g. parallelize_module(model, mesh['tp'], plan)) "
-            "and pass the data-parallel sub-mesh: fully_shard(module, mesh=mesh['dp']) or, for HSDP, "
-            "mesh['replicate', 'shard']"
-        )
     modules = _validate_modules(module)
     mesh = _default_mesh() if mesh is None else mesh
+    spmd: SpmdDims | None = None
+    if dp_mesh_dims is not None:
+        mesh, spmd = SpmdDims.split(mesh, _validate_dp_mesh_dims(dp_mesh_dims, mesh))
     _validate_mesh(mesh)
     _validate_reshard_after_forward(reshard_after_forward, mesh)
     _validate_policies(mp_policy, offload_policy, mesh)
     ignored = _validate_ignored(ignored_params)
     owners, fqns = _collect_params(modules, ignored)
     params = list(owners)
-    dims = _shard_dims(params, fqns, shard_placement_fn, mesh)
+    if spmd is not None:
+        _validate_spmd_params(params, fqns, spmd)
+    dims = _shard_dims(params, fqns, shard_placement_fn, mesh, spmd is None)
 
     device = mesh_device(mesh)
-    info = MeshInfo.from_mesh(mesh, _POOLS.setdefault(device, BufferPool()))
+    info = MeshInfo.from_mesh(mesh, _POOLS.setdefault(device, BufferPool()), spmd)
     fsdp_params = [FSDPParam(fqns[p], owners[p], p, info, dim) for p, dim in zip(params, dims)]
     shard_device = torch.device("meta") if any(p.device.type == "meta" for p in params) else device
     group = ParamGroup(fsdp_params, params, modules, info, shard_device, mp_policy, reshard_after_forward)
@@ -397,14 +399,14 @@ def _validate_ignored(ignored_params: Any) -> set[int]:
 
 
 def _shard_dims(
-    params: list[torch.Tensor], fqns: dict, placement_fn: Callable | None, mesh: DeviceMesh
+    params: list[torch.Tensor], fqns: dict, placement_fn: Callable | None, mesh: DeviceMesh, check_tp: bool
 ) -> list[int]:
     """The dim each parameter shards on (0 unless ``shard_placement_fn`` says otherwise),
     checking that tensor-parallel parameters can compose with ``mesh``."""
     dims = []
     for p in params:
         local = p._local_tensor if isinstance(p, DTensor) else p
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and check_tp:
             _validate_tp_param(p, fqns[p], mesh)
         placement = placement_fn(p) if placement_fn is not None else None
         if placement is None:
@@ -444,6 +446,62 @@ def _validate_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:
             f"data-parallel mesh {mesh}; parallelize over the tensor-parallel dims (mesh['tp']) and pass "
             "the data-parallel dims (mesh['dp']) to fully_shard"
         )
+
+
+def _validate_dp_mesh_dims(dims: Any, mesh: Any) -> DataParallelMeshDims:
+    if not isinstance(dims, DataParallelMeshDims):
+        if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
+            raise TypeError(f"dp_mesh_dims expects a DataParallelMeshDims, got {type(dims).__name__}")
+        dims = DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate)  # e.g. torch's own
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fully_shard(dp_mesh_dims=...) needs mesh= the full SPMD mesh with mesh_dim_names, e.g. "
+            f"init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); got {mesh!r}"
+        )
+    names = mesh.mesh_dim_names
+    given = dims.shard_names + dims.replicate_names
+    missing = [n for n in given if n not in names]
+    if missing:
+        raise ValueError(f"dp_mesh_dims names {missing} that are not dims of the mesh {names}")
+    if len(set(given)) != len(given):
+        raise ValueError(f"dp_mesh_dims names a mesh dim twice: {dims!r}")
+    if not dims.shard_names:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dims!r} replicates without sharding (DDP), which fsdp2 does not do; name the "
+            "dim(s) to shard over, e.g. DataParallelMeshDims(shard='dp') or (shard='dp_shard', replicate='dp_replicate')"
+        )
+    return dims
+
+
+def _validate_spmd_params(params: list[torch.Tensor], fqns: dict, spmd: SpmdDims) -> None:
+    """Every parameter of an SPMD group is a DTensor on the full mesh, replicated over the
+    data-parallel dims and placed with Shard or Replicate on the others."""
+    names = spmd.mesh.mesh_dim_names
+    for p in params:
+        fqn = fqns[p]
+        if not isinstance(p, DTensor):
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a plain tensor; every parameter must "
+                f"already be a DTensor on the full mesh {names} (distribute_tensor / distribute_module), "
+                "with Replicate() on the data-parallel dims"
+            )
+        if p.device_mesh != spmd.mesh:
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a DTensor on {p.device_mesh}, not on the "
+                f"mesh passed to fully_shard {spmd.mesh}; distribute it over that mesh"
+            )
+        for i in sorted(spmd.dp):
+            if not isinstance(p.placements[i], Replicate):
+                raise ValueError(
+                    f"fully_shard(dp_mesh_dims=...): parameter {fqn} has placements {tuple(p.placements)}; "
+                    f"expected Replicate() on the data-parallel dim {names[i]!r} (fully_shard shards it)"
+                )
+        bad = [pl for pl in p.placements if not isinstance(pl, (Shard, Replicate))]
+        if bad:
+            raise ValueError(
+                f"parameter {fqn} has placements {tuple(p.placements)}; fully_shard composes with DTensor "
+                "parameters placed with Shard or Replicate only"
+            )
 
 
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:

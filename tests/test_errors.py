@@ -36,7 +36,20 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     before = lin.weight
     check("mesh_type", lambda: fsdp2.fully_shard(lin, mesh="cpu"), TypeError, "expects a DeviceMesh, got str")
     check("mesh_3d", lambda: fsdp2.fully_shard(lin, mesh=mesh3d), ValueError, "parallelize the model over mesh['tp'] first")
-    check("dp_mesh_dims", lambda: fsdp2.fully_shard(lin, mesh=mesh, dp_mesh_dims=fsdp2.DataParallelMeshDims(shard="dp")), NotImplementedError, "pass the data-parallel sub-mesh")
+    spmd = init_device_mesh("cpu", (world, 1), mesh_dim_names=("sdp", "stp"))
+    dims = fsdp2.DataParallelMeshDims
+    check("dp_mesh_dims_type", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims="sdp"), TypeError, "expects a DataParallelMeshDims")
+    check("dp_mesh_dims_unnamed", lambda: fsdp2.fully_shard(lin, mesh=unnamed2d, dp_mesh_dims=dims(shard="sdp")), ValueError, "with mesh_dim_names")
+    check("dp_mesh_dims_name", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard="dp")), ValueError, "['dp'] that are not dims of the mesh")
+    check("dp_mesh_dims_twice", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard="sdp", replicate="sdp")), ValueError, "a mesh dim twice")
+    check("dp_mesh_dims_ddp", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(replicate="sdp")), NotImplementedError, "replicates without sharding")
+    check("dp_mesh_dims_plain", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard="sdp")), ValueError, "weight is a plain tensor")
+    on_dp = nn.Linear(4, 4)
+    on_dp.weight = nn.Parameter(torch.distributed.tensor.distribute_tensor(on_dp.weight.detach(), spmd, [torch.distributed.tensor.Shard(0), torch.distributed.tensor.Replicate()]))
+    on_dp.bias = nn.Parameter(torch.distributed.tensor.distribute_tensor(on_dp.bias.detach(), spmd, [torch.distributed.tensor.Replicate()] * 2))
+    check("dp_mesh_dims_placement", lambda: fsdp2.fully_shard(on_dp, mesh=spmd, dp_mesh_dims=dims(shard="sdp")), ValueError, "expected Replicate() on the data-parallel dim 'sdp'")
+    check("dp_mesh_dims_other_mesh", lambda: fsdp2.fully_shard(on_dp, mesh=mesh3d, dp_mesh_dims=dims(shard="c")), ValueError, "not on the mesh passed to fully_shard")
+    out["untouched_spmd"] = "ok" if type(on_dp) is nn.Linear else "changed"
     check("mesh_2d_unnamed", lambda: fsdp2.fully_shard(lin, mesh=unnamed2d), ValueError, "without mesh_dim_names")
     check("raf_type", lambda: fsdp2.fully_shard(lin, reshard_after_forward="yes"), TypeError, "reshard_after_forward expects")
     check("raf_divisor", lambda: fsdp2.fully_shard(lin, reshard_after_forward=3), ValueError, "must divide the shard size")
