@@ -43,8 +43,9 @@ import torch.nn as nn
 
 from ._bucket import FlatBucket
 from ._mesh import MeshInfo
+from ._calls import BackwardCalls, saved_tensor_hooks_active
 from ._param import FSDPParam
-from ._tree import cast_floating, collect_tensors, map_tensors
+from ._tree import cast_floating
 from .api import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
@@ -117,23 +118,12 @@ class ParamGroup:
         self.backward_prefetch: list[ParamGroup] | None = None
         self.training_state = TrainingState.IDLE
         self.shard_state = ShardState.SHARDED
-        self.pending_nodes = 0  # forward calls whose _PostBackward.backward has not run
-        self.generation = 0  # bumped when pending_nodes restarts: older nodes no longer count
-        # Gradients may reach the leaves with no node of ours to say when they are all
-        # there (a forward call without inputs that need grad, a reentrant recompute, an
-        # explicit unshard): Phase 5 runs Phase 4. Set alike on every rank.
-        self.reduce_at_finalize = False
+        self.calls = BackwardCalls()
         # Gathered by an explicit ``unshard()``: code may compute with the leaves before,
         # between and after this group's forwards, so it stays gathered (and its reduce
         # waits) until the end of the next backward or ``reshard()``.
         self.held_by_user = False
         self.in_pipeline_stage = False  # run by an ``fsdp2.pipelining`` stage
-        # Forward calls whose outputs carry a pre_backward hook, and how many fired so far.
-        self.hooked_calls = 0
-        self.started_backward_calls = 0
-        # A forward call ran under saved-tensor hooks (activation checkpointing, offloading):
-        # autograd may not hold the parameters it needs, so the storage count proves nothing.
-        self.saved_by_hooks = False
         self.order_index = -1  # position in the root's recorded forward order
         self.ctx: RootContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
@@ -209,19 +199,10 @@ class ParamGroup:
 
     def frees_after_forward(self) -> bool:
         """Its gathered parameters are freed once its forward is done."""
-        return self.reshard_after_forward is True and not self.is_kept_for_backward() and not self.held_by_user
-
-    def is_kept_for_backward(self) -> bool:
-        """With the default ``reshard_after_forward=None``, the last group to run forward
-        (not the root) keeps its parameters: its backward comes first, right after the
-        loss, and would gather them straight back (torchtitan does the same by hand)."""
-        ctx = self.ctx
         return (
-            self.reshard_after_forward_arg is None
-            and ctx is not None
-            and ctx.order_frozen
-            and self is not ctx.root
-            and ctx.forward_order[-1] is self
+            self.reshard_after_forward is True
+            and not self.held_by_user
+            and not (self.reshard_after_forward_arg is None and self.ctx is not None and self.ctx.keeps_for_backward(self))
         )
 
     @property
@@ -232,25 +213,9 @@ class ParamGroup:
 
     def _check_materialized(self) -> None:
         flats = [b.sharded_flat for b in self.buckets]
-        if len(flats) == len(self._checked_flats) and all(map(operator.is_, flats, self._checked_flats)):
-            return
-        mesh_type = self.comm.mesh.device_type
-        for b in self.buckets:
-            device = b.sharded_flat.device
-            if device.type not in ("meta", mesh_type):
-                raise RuntimeError(
-                    f"fsdp2: parameters of group '{self.name}' are on {device} but its mesh is on "
-                    f"{mesh_type}; move the model with model.to({mesh_type!r}) or build the mesh "
-                    f"for {device.type}"
-                )
-            if device.type == "meta":
-                fqns = ", ".join(p.fqn for p in b.params[:3])
-                raise RuntimeError(
-                    f"fsdp2: parameters ({fqns}, ...) are still on the meta device at forward; "
-                    "materialize them first with model.to_empty(device=...) and initialize them "
-                    "(e.g. reset_parameters() or load_state_dict)"
-                )
-        self._checked_flats = flats
+        if len(flats) != len(self._checked_flats) or not all(map(operator.is_, flats, self._checked_flats)):
+            check_materialized(self.buckets, self.comm.mesh.device_type, self.name)
+            self._checked_flats = flats
 
     def rebind(self) -> None:
         """After ``module._apply``: adopt the new parameter data, once every module of the
@@ -271,7 +236,7 @@ class ParamGroup:
         if not recompute:
             self.training_state = TrainingState.FORWARD
             ctx.record_forward(self)
-            self.saved_by_hooks = self.saved_by_hooks or _saved_tensor_hooks_active()
+            self.calls.saved_by_hooks = self.calls.saved_by_hooks or saved_tensor_hooks_active()
             for b in self.buckets:
                 b.reduce.refresh_layout()
             if self.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL) and any(
@@ -296,16 +261,9 @@ class ParamGroup:
             # A reentrant checkpoint's recompute, whose forward ran without grad: its
             # gradients reach the leaves inside this backward, with no node counted.
             # (A non-reentrant recompute only refills saved tensors: its group has nodes.)
-            self.reduce_at_finalize = self.reduce_at_finalize or self.pending_nodes == 0
+            self.calls.reduce_at_finalize = self.calls.reduce_at_finalize or self.calls.pending == 0
             return args, kwargs
-        inputs = collect_tensors((args, kwargs), _requires_grad)
-        if not inputs:
-            self.reduce_at_finalize = True
-            return args, kwargs
-        outs = _PostBackward.apply(self, *inputs)
-        self.pending_nodes += 1
-        routed = dict(zip(map(id, inputs), outs))
-        return map_tensors((args, kwargs), lambda t: routed.get(id(t), t))
+        return self.calls.route_inputs(self, args, kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         ctx = self.ctx
@@ -326,10 +284,7 @@ class ParamGroup:
                 self.reshard()  # no backward follows a no-grad forward: keep nothing
             self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
-            tensors = collect_tensors(output, _requires_grad)
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
-                self.hooked_calls += 1
+            self.calls.hook_outputs(output, self._pre_backward_hook)
         return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
@@ -340,7 +295,7 @@ class ParamGroup:
 
     # ------------------------------------------------------------------- backward
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
-        self.started_backward_calls += 1
+        self.calls.started += 1
         self.pre_backward()
 
     def pre_backward(self) -> None:
@@ -363,18 +318,12 @@ class ParamGroup:
         if self.ctx is not None:
             self.ctx.on_backward_start()
         if counted:
-            self.pending_nodes -= 1
+            self.calls.pending -= 1
             # With gradients that may come without a node, e.g. from code that used the
             # leaves before this call's forward (after ``unshard()``), autograd may still
             # run that code's backward after this node: Phase 5 does Phase 4.
-            if self.pending_nodes <= 0 and not self.reduce_at_finalize:
+            if not self.calls.awaiting:
                 self.post_backward()
-
-    def node_dropped(self, generation: int) -> None:
-        """A counted node was freed without its backward running (a grad-enabled forward
-        whose output was never backpropagated): stop waiting for it."""
-        if generation == self.generation and self.pending_nodes > 0:
-            self.pending_nodes -= 1
 
     def post_backward(self) -> None:
         """Phase 4: reshard, move the unsharded gradients into the reduce input and issue
@@ -414,33 +363,7 @@ class ParamGroup:
         return any(b.reduce.has_unsharded_grads() for b in self.buckets)
 
     def forget_calls(self) -> None:
-        """Start counting forward calls afresh; older nodes no longer count."""
-        self.pending_nodes = 0
-        self.generation += 1
-        self.reduce_at_finalize = False
-        self.saved_by_hooks = False
-        self.hooked_calls = self.started_backward_calls = 0
-
-    def is_unreferenced_in_backward(self) -> bool:
-        """The root (whose gradients wait for the end of backward) is still gathered, every
-        forward call's backward started, and nothing can read its parameters any more:
-        no tensor autograd saved or a custom Function kept refers to a leaf, and no view
-        of the storage exists outside the buckets; e.g. after the output layer's
-        backward, while every block's backward lies ahead. Not after a forward under
-        saved-tensor hooks (activation checkpointing, offloading: autograd holds nothing
-        now that a recompute will need); a root-owned module recomputed later gathers
-        the root again (``RootContext.regather_root``)."""
-        return (
-            self.ctx is not None
-            and self is self.ctx.root
-            and self.training_state is TrainingState.PRE_BACKWARD
-            and self.started_backward_calls >= self.hooked_calls  # no pre_backward to come
-            and not self.saved_by_hooks
-            and self.shard_state is ShardState.UNSHARDED
-            and self.reshard_after_backward
-            and all(b.is_unsharded_unreferenced() for b in self.buckets)
-            and all(p.is_unheld() for p in self.params)
-        )
+        self.calls.forget()
 
     def divide_factor(self) -> float:
         return float(self.gradient_divide_factor or self.comm.dp_size)
@@ -457,45 +380,20 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
 
 
-def _saved_tensor_hooks_active() -> bool:
-    """Whether tensors autograd saves now go through ``saved_tensors_hooks`` (True when
-    this build of torch cannot tell: the caller then stays conservative)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
-
-
-def _requires_grad(t: torch.Tensor) -> bool:
-    return t.requires_grad
-
-
-def _node_freed(group: ParamGroup, count: list) -> None:
-    if count[0]:
-        count[0] = False
-        group.node_dropped(count[1])
-
-
-class _PostBackward(torch.autograd.Function):
-    """Autograd node in front of one forward call of a module: it passes the call's
-    inputs that require grad through, and its backward runs once their gradients are
-    complete. Every op of the call was created after this node, so autograd, which runs
-    the newest ready node first and accumulates a leaf's gradient as soon as it is
-    ready, has by then run all of them: the parameters' gradients of the call are in
-    the leaves and nothing of the call reads the parameters any more.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, group: ParamGroup, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
-        ctx.group = group
-        ctx.set_materialize_grads(False)
-        # [still counted, generation]; cleared when backward runs, else the finalizer
-        # tells the group when the graph is freed without a backward.
-        ctx.count = [True, group.generation]
-        weakref.finalize(ctx, _node_freed, group, ctx.count)
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        counted = ctx.count[0] and ctx.count[1] == ctx.group.generation
-        ctx.count[0] = False
-        ctx.group.post_backward_node(counted)
-        return (None, *grads)
+def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> None:
+    """The sharded parameters are real tensors on the mesh's device type."""
+    for b in buckets:
+        device = b.sharded_flat.device
+        if device.type not in ("meta", mesh_type):
+            raise RuntimeError(
+                f"fsdp2: parameters of group '{name}' are on {device} but its mesh is on "
+                f"{mesh_type}; move the model with model.to({mesh_type!r}) or build the mesh "
+                f"for {device.type}"
+            )
+        if device.type == "meta":
+            fqns = ", ".join(p.fqn for p in b.params[:3])
+            raise RuntimeError(
+                f"fsdp2: parameters ({fqns}, ...) are still on the meta device at forward; "
+                "materialize them first with model.to_empty(device=...) and initialize them "
+                "(e.g. reset_parameters() or load_state_dict)"
+            )

@@ -181,7 +181,7 @@ class RootContext:
         if i <= 0 or not self.order_frozen:
             return []
         target = self.forward_order[i - 1]
-        waiting = (target.pending_nodes > 0 or target.reduce_at_finalize) and target.unshard_in_backward
+        waiting = target.calls.awaiting and target.unshard_in_backward
         return [target] if waiting and target.training_state is not TrainingState.PRE_BACKWARD else []
 
     # --------------------------------------------------------------- backward
@@ -190,13 +190,38 @@ class RootContext:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self.finalize_backward)
 
+    def keeps_for_backward(self, group: ParamGroup) -> bool:
+        """With the default ``reshard_after_forward=None``, the last group to run forward
+        (not the root) keeps its parameters: its backward comes first, right after the
+        loss, and would gather them straight back (torchtitan does the same by hand)."""
+        return self.order_frozen and group is not self.root and self.forward_order[-1] is group
+
     def free_unreferenced(self, current: ParamGroup) -> None:
-        """At each group's pre_backward: free groups kept gathered (the root, or any with
-        ``reshard_after_forward=False``) whose parameters nothing can read any more,
-        instead of holding them until their own gradients arrive at the end."""
-        for g in self.groups:
-            if g is not current and g.is_unreferenced_in_backward():
-                g.reshard()
+        """At each group's pre_backward: free the root, kept gathered, once nothing can
+        read its parameters any more, instead of holding them until its own gradients
+        arrive at the end."""
+        if self.root is not current and self._root_unreferenced():
+            self.root.reshard()
+
+    def _root_unreferenced(self) -> bool:
+        """The root (whose gradients wait for the end of backward) is still gathered, every
+        forward call's backward started, and nothing can read its parameters any more:
+        no tensor autograd saved or a custom Function kept refers to a leaf, and no view
+        of the storage exists outside the buckets; e.g. after the output layer's
+        backward, while every block's backward lies ahead. Not after a forward under
+        saved-tensor hooks (activation checkpointing, offloading: autograd holds nothing
+        now that a recompute will need); a root-owned module recomputed later gathers
+        the root again (``regather_root``)."""
+        root = self.root
+        return (
+            root.training_state is TrainingState.PRE_BACKWARD
+            and root.calls.all_started  # no pre_backward to come
+            and not root.calls.saved_by_hooks
+            and root.shard_state is ShardState.UNSHARDED
+            and root.reshard_after_backward
+            and all(b.is_unsharded_unreferenced() for b in root.buckets)
+            and all(p.is_unheld() for p in root.params)
+        )
 
     def add_pending_reduce(self, group: ParamGroup, bucket: FlatBucket) -> None:
         self.pending_reduces.append((group, bucket))
@@ -232,10 +257,10 @@ class RootContext:
         """Phase 5: runs once at the end of each backward over the root's graph."""
         for g in self.groups:
             # Forward calls whose node never ran, gradients that came without one (see
-            # ``reduce_at_finalize``), and any that reached a leaf after its group's
+            # ``BackwardCalls.reduce_at_finalize``), and any that reached a leaf after its group's
             # reduce was issued (a use outside the module after its backward).
             late = g.requires_gradient_sync and g.has_unsharded_grads()
-            if not g.direct and (g.pending_nodes > 0 or g.reduce_at_finalize or late):
+            if not g.direct and (g.calls.awaiting or late):
                 g.post_backward()
         self._commit()
         self.in_backward = False

@@ -162,7 +162,7 @@ class FSDPModule:
         group.unshard()
         if ctx is None or not (ctx.active_forwards or ctx.in_backward):
             group.held_by_user = True
-            group.reduce_at_finalize = True  # gradients may come without a forward of ours
+            group.calls.reduce_at_finalize = True  # gradients may come without a forward of ours
         handle = UnshardHandle(group)
         if async_op:
             return handle
@@ -175,7 +175,7 @@ class FSDPModule:
         group = self._fsdp2_state.group
         group.reshard()
         if group.training_state is TrainingState.IDLE and not (group.ctx is not None and group.ctx.in_backward):
-            group.reduce_at_finalize = False
+            group.calls.reduce_at_finalize = False
 
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward: reshard everything and drop

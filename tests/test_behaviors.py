@@ -35,7 +35,7 @@ def _eval_worker(rank: int, world: int) -> dict:
         got = model(ids)
     want = ref(ids)
     clean = all(
-        g.shard_state is ShardState.SHARDED and g.training_state is TrainingState.IDLE and g.pending_nodes == 0
+        g.shard_state is ShardState.SHARDED and g.training_state is TrainingState.IDLE and g.calls.pending == 0
         for g in _groups(model)
     )
     registered_sharded = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
@@ -267,7 +267,7 @@ def _dropped_forward_worker(rank: int, world: int) -> list[int]:
     ids, _ = batch(0, 2 * world)
     out = model(ids.chunk(world)[rank])  # grad-enabled forward that never gets a backward
     del out  # its graph is freed: no group may keep waiting for it
-    return [g.pending_nodes for g in _groups(model)]
+    return [g.calls.pending for g in _groups(model)]
 
 
 def test_forward_without_backward_leaves_no_pending_gradients() -> None:

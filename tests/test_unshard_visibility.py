@@ -146,7 +146,7 @@ def _window_edges(rank: int, world: int) -> dict[str, Any]:
     ids, tg = batch(0, 2 * world)
     model(ids.chunk(world)[rank]).sum()  # a forward with grad and no backward: root kept gathered
     out["one_context"] = all(g.ctx is groups[0].ctx for g in groups)
-    out["nothing_left_after_reshard"] = not (groups[2].held_by_user or groups[2].reduce_at_finalize)
+    out["nothing_left_after_reshard"] = not (groups[2].held_by_user or groups[2].calls.reduce_at_finalize)
     # state_dict() on one rank only while the root is gathered: no collective, so the
     # next backward issues the same collectives on every rank.
     if rank == 0:
