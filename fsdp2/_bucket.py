@@ -77,6 +77,7 @@ class FlatBucket:
         self._flat_alias: tuple[torch.Tensor, torch.Tensor] | None = None
         # ``_shards_version()`` when a forward left the gathered copy in place (``is_stale``).
         self._gathered_version: int | None = None
+        self.follows_dtype = (True, True)  # (compute, reduce) follow ``dtype`` on ``rebind``
         self.reduce = BucketReduce(self)
         self.commit = GradCommit(self)
         self.in_place: InPlace | None = None
@@ -91,9 +92,7 @@ class FlatBucket:
                 local = self.local_view(p)
                 if device.type != "meta" and orig.device.type != "meta":
                     local.copy_(p.local_chunk(orig.detach()))
-                p.sharded = torch.nn.Parameter(
-                    p.to_dtensor(local), requires_grad=orig.requires_grad
-                )
+                p.set_sharded(torch.nn.Parameter(p.to_dtensor(local), requires_grad=orig.requires_grad))
         self._allocate_unsharded()
 
     def _allocate_unsharded(self) -> None:
@@ -190,9 +189,10 @@ class FlatBucket:
         current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
         locals_ = [c.to_local() if isinstance(c, torch.distributed.tensor.DTensor) else c for c in current]
         device, dtype = locals_[0].device, locals_[0].dtype
-        if self.compute_dtype == self.dtype:
+        follow_compute, follow_reduce = self.follows_dtype
+        if follow_compute:
             self.compute_dtype = dtype
-        if self.reduce_dtype == self.dtype:
+        if follow_reduce:
             self.reduce_dtype = dtype
         self.dtype = dtype
         self.sharded_flat = torch.zeros(self.shard_numel + len(self.scalars), dtype=dtype, device=device)
@@ -210,7 +210,7 @@ class FlatBucket:
                 torch.utils.swap_tensors(param, fresh)
                 if grad is not None:
                     param.grad = grad
-                p.sharded = param  # type: ignore[assignment]
+                p.set_sharded(param)  # type: ignore[arg-type]
                 p.dtype = dtype
                 p.register_sharded()
         self._allocate_unsharded()

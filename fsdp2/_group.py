@@ -100,6 +100,12 @@ class ParamGroup:
             bucket = FlatBucket(
                 [params[i] for i in idx], [originals[i] for i in idx], comm, device, compute, reduce
             )
+            # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
+            floating = dtype.is_floating_point
+            bucket.follows_dtype = (
+                not (mp_policy.param_dtype and floating),
+                not ((mp_policy.reduce_dtype or mp_policy.param_dtype) and floating),
+            )
             self.buckets.append(bucket)
             for i in idx:
                 self._bucket_of[id(params[i])] = bucket
@@ -142,6 +148,7 @@ class ParamGroup:
         if self.shard_state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return
         self._check_materialized()
+        self._check_not_reassigned()
         if self.ctx is not None and any(b.in_place is not None and b.in_place.lent for b in self.buckets):
             self.ctx.finish_reduces_of(self)  # its storage still holds the gradients
         partial = self.partial_group if self.shard_state is ShardState.PARTIAL else None
@@ -227,6 +234,32 @@ class ParamGroup:
             return  # another module's _apply will finish the conversion
         for b in self.buckets:
             b.rebind()
+
+    def adopt_reassigned(self) -> None:
+        """At lazy init: parameters reassigned since ``fully_shard`` (``module.weight =
+        nn.Parameter(dtensor)``, e.g. by a custom initializer) become the sharded
+        parameters, their values copied into the group's storage."""
+        new = [(fp, t) for fp in self.params if (t := fp.reassigned()) is not None]
+        for fp, t in new:
+            _check_replacement(fp, t)
+        if new:
+            self.rebind()
+
+    def root_fqn(self, fp: FSDPParam) -> str:
+        """``fp``'s name from the root's view once lazy init named the group, else its own."""
+        prefix = self.name if self.ctx is not None and self.name != "<root>" and "," not in self.name else ""
+        return f"{prefix}.{fp.fqn}" if prefix else fp.fqn
+
+    def _check_not_reassigned(self) -> None:
+        for fp in self.params:
+            t = fp.reassigned()
+            if t is not None:
+                raise RuntimeError(
+                    f"fsdp2: parameter {self.root_fqn(fp)} was reassigned after the model's first forward; fsdp2 "
+                    "adopts reassigned parameters only before it. Copy the new values into the "
+                    "parameter instead: with torch.no_grad(): param.copy_(distribute_tensor(value, "
+                    "param.device_mesh, param.placements))"
+                )
 
     # -------------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -397,3 +430,27 @@ def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> 
                 "materialize them first with model.to_empty(device=...) and initialize them "
                 "(e.g. reset_parameters() or load_state_dict)"
             )
+
+
+def _check_replacement(fp: FSDPParam, t: torch.Tensor) -> None:
+    """A reassigned parameter can replace ``fp``'s sharded one: same kind of DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    same = (
+        isinstance(t, DTensor)
+        and t.shape == fp.shape
+        and tuple(t.placements) == tuple(fp.placements)
+        and t.device_mesh == fp.mesh
+    )
+    if not same:
+        what = (
+            f"a DTensor of shape {tuple(t.shape)} with placements {tuple(t.placements)}"
+            if isinstance(t, DTensor)
+            else f"a {type(t).__name__} of shape {tuple(t.shape)}"
+        )
+        raise ValueError(
+            f"fsdp2: parameter {fp.fqn} was reassigned after fully_shard with {what}; it must be a "
+            f"DTensor like the sharded one it replaces (shape {tuple(fp.shape)}, placements "
+            f"{tuple(fp.placements)}): nn.Parameter(distribute_tensor(value, param.device_mesh, "
+            "param.placements))"
+        )

@@ -39,6 +39,18 @@ def unsharded_owner(t: torch.Tensor) -> FSDPParam | None:
     return fp if fp is not None and fp.unsharded is t else None
 
 
+# id(sharded parameter) -> its FSDPParam: which parameters fsdp2 manages. Weak on the
+# FSDPParam, not on the tensor: a weakref on a parameter makes ``module._apply`` unable
+# to swap it.
+_SHARDED_OWNER: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
+
+
+def sharded_owner(t: torch.Tensor) -> FSDPParam | None:
+    """The ``FSDPParam`` whose sharded parameter ``t`` is, if any."""
+    fp = _SHARDED_OWNER.get(id(t))
+    return fp if fp is not None and fp.sharded is t else None
+
+
 class FSDPParam:
     """One parameter: where its shard sits (``layout``), its sharded ``nn.Parameter`` and
     its unsharded leaf.
@@ -128,6 +140,18 @@ class FSDPParam:
         if self._alias is None or self._alias[0] is not local:
             self._alias = (local, local.detach())
         return self._alias[1]
+
+    def set_sharded(self, param: nn.Parameter) -> None:
+        """``param`` is this parameter's sharded ``nn.Parameter`` from now on."""
+        self.sharded = param
+        _SHARDED_OWNER[id(param)] = self
+
+    def reassigned(self) -> torch.Tensor | None:
+        """What the first owner module registers instead of our sharded parameter, if a
+        user assigned another one (``module.weight = nn.Parameter(...)``) since."""
+        module, name = self.owners[0]
+        current = module._parameters.get(name)
+        return None if current is self.sharded or current is self.unsharded else current
 
     def register(self, value: torch.Tensor) -> None:
         """Make ``value`` what every owner module sees under this parameter's name."""

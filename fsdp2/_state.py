@@ -104,6 +104,8 @@ class RootContext:
             sub_state = sub.__dict__.get("_fsdp2_state")
             if sub_state is not None and sub_state.group not in groups and sub_state.group.ctx is None:
                 groups.append(sub_state.group)
+        for g in groups:
+            g.adopt_reassigned()
         ctx = RootContext(state.group, groups)
         ctx.watch_root_modules()
         fqns = {id(m): name for name, m in state.module.named_modules()}

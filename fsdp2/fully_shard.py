@@ -25,18 +25,14 @@ from . import _classes, _optim
 from ._buffers import BufferPool
 from ._group import ParamGroup, ShardState, TrainingState
 from ._mesh import MeshInfo, SpmdDims, mesh_device
-from ._param import FSDPParam, unsharded_owner
+from ._param import FSDPParam, sharded_owner, unsharded_owner
 from ._state import FSDPState
 from ._state_dict import register_state_dict_hooks, validate_state_dict
 from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
-# id(sharded parameter) -> its FSDPParam, for every parameter some fully_shard call
-# manages. Weak on our FSDPParam, not on the tensor: a weakref on a parameter makes
-# ``module._apply`` unable to swap it.
-_MANAGED: dict[int, weakref.ref[FSDPParam]] = {}
-# id(original parameter) -> (weak ref to it, its FQN) for parameters fully_shard replaced:
+# id(original parameter) -> (weak ref to it, its FQN, its module's class) for parameters fully_shard replaced:
 # an optimizer still holding one was created too early (checked at optimizer.step()).
-_REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+_REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], str, str]] = {}
 _OPTIMIZER_HOOK: list[Any] = []
 _POOLS: dict[torch.device, BufferPool] = {}
 
@@ -95,7 +91,7 @@ def fully_shard(
     if dp_mesh_dims is not None:
         mesh, spmd = SpmdDims.split(mesh, _validate_dp_mesh_dims(dp_mesh_dims, mesh))
     _validate_mesh(mesh)
-    _validate_reshard_after_forward(reshard_after_forward, mesh)
+    reshard_after_forward = _reshard_after_forward_value(reshard_after_forward, mesh)
     _validate_policies(mp_policy, offload_policy, mesh)
     ignored = _validate_ignored(ignored_params)
     owners, fqns = _collect_params(modules, ignored)
@@ -113,8 +109,7 @@ def fully_shard(
         group.partial_group, group.partial_index = info.partial_group(reshard_after_forward)
     for fp, original in zip(fsdp_params, params):
         fp.register_sharded()
-        _remember(_MANAGED, id(fp.sharded), weakref.ref(fp))
-        _remember(_REPLACED, id(original), (weakref.ref(original), fp.fqn))
+        _remember(_REPLACED, id(original), (weakref.ref(original), fp.fqn, type(fp.owners[0][0]).__name__))
     register_state_dict_hooks(fsdp_params)
     if not _OPTIMIZER_HOOK:
         _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_pre_optimizer_step))
@@ -132,6 +127,15 @@ class FSDPModule:
     """Mixin of every module ``fully_shard`` was applied to."""
 
     _fsdp2_state: FSDPState
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Constructing a generated ``FSDP<Name>`` class (e.g. ``nn.Sequential``'s slicing,
+        ``model[:2]``, builds ``type(self)(...)``) makes the original class: a new module
+        fully_shard was not applied to, holding the same (sharded) children."""
+        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise TypeError(
@@ -215,10 +219,10 @@ class FSDPModule:
         for g in self._target_groups(recurse):
             g.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (see ``fully_shard``) for later forwards."""
         group = self._fsdp2_state.group
-        _validate_reshard_after_forward(reshard_after_forward, group.comm.mesh)
+        reshard_after_forward = _reshard_after_forward_value(reshard_after_forward, group.comm.mesh)
         if reshard_after_forward is None:
             raise ValueError("set_reshard_after_forward expects a bool or an int, got None")
         partial = None
@@ -340,6 +344,13 @@ def _validate_modules(module: Any) -> list[nn.Module]:
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module, "
                 "bottom-up (blocks first, then the root)"
             )
+        if type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard got a {type(m).__name__}, a container without forward: fsdp2 gathers a "
+                "module's parameters when its forward runs, and this one never runs. Apply fully_shard "
+                "to each child, or pass the children as one group: fully_shard(list(container"
+                + (".values()" if isinstance(m, nn.ModuleDict) else "") + "))"
+            )
     return modules
 
 
@@ -368,17 +379,27 @@ def _validate_mesh(mesh: Any) -> None:
         raise ValueError("this rank is not part of the mesh passed to fully_shard")
 
 
-def _validate_reshard_after_forward(value: Any, mesh: DeviceMesh) -> None:
+def _reshard_after_forward_value(value: Any, mesh: DeviceMesh) -> bool | int | None:
+    """``value`` checked, an int that means a bool turned into it: 1 (keep all of them,
+    reshard to one rank's worth) is ``False`` and the shard size is ``True``."""
     if value is None or isinstance(value, bool):
-        return
+        return value
     if not isinstance(value, int):
         raise TypeError(f"reshard_after_forward expects a bool, an int or None, got {type(value).__name__}")
     world = mesh.size(mesh.ndim - 1)
-    if not (1 < value < world and world % value == 0):
+    if not (1 <= value <= world and world % value == 0):
         raise ValueError(
-            f"reshard_after_forward={value} must divide the shard size {world} (the mesh's last "
-            f"dim) and lie strictly between 1 and {world}; use True (free all) or False (keep all) otherwise"
+            f"reshard_after_forward={value} must divide the shard size {world} (the mesh's last dim); "
+            "use True (free all) or False (keep all) otherwise"
         )
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) keeps the whole parameters after forward, as "
+            "reshard_after_forward=False does; pass True to free them",
+            stacklevel=3,
+        )
+        return False
+    return True if value == world else value
 
 
 def _validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> None:
@@ -522,12 +543,12 @@ def _collect_params(
             for name, p in module._parameters.items():
                 if p is None or id(p) in ignored:
                     continue
-                other = _managed_by(p)
+                other = sharded_owner(p)
                 if other is not None:
-                    _raise_shared(prefix + name, other.fqn)
+                    _raise_shared(prefix + name, root, other.fqn, type(other.owners[0][0]).__name__)
                 replaced = _REPLACED.get(id(p))
                 if replaced is not None and replaced[0]() is p:
-                    _raise_shared(prefix + name, replaced[1])
+                    _raise_shared(prefix + name, root, replaced[1], replaced[2])
                 slots = owners.setdefault(p, [])
                 if not any(m is module and n == name for m, n in slots):
                     slots.append((module, name))
@@ -535,12 +556,13 @@ def _collect_params(
     return owners, fqns
 
 
-def _raise_shared(fqn: str, other_fqn: str) -> None:
+def _raise_shared(fqn: str, root: nn.Module, other_fqn: str, other_owner: str) -> None:
     raise ValueError(
-        f"parameter {fqn} is also {other_fqn}, which an earlier fully_shard call manages. If that "
-        "call was on a parent of this module, apply fully_shard bottom-up (blocks first, then the "
-        "root); if the parameter is shared, put the modules that share it in one group: "
-        "fully_shard([module_a, module_b]) or fully_shard on their common parent"
+        f"parameter '{fqn}' of the {type(root).__name__} being sharded is the same tensor as "
+        f"'{other_fqn}' of a {other_owner} that an earlier fully_shard call manages. If that call "
+        "was on a parent of this module, apply fully_shard bottom-up (blocks first, then the root); "
+        "if the parameter is shared (tied weights), put the modules that share it in one group: "
+        "fully_shard([module_a, module_b]), or fully_shard only on their common parent"
     )
 
 
@@ -559,7 +581,7 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     owners: set[weakref.ref] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
-            fp = _managed_by(p)
+            fp = sharded_owner(p)
             if fp is not None:
                 owners.add(fp.group)
                 continue
@@ -592,13 +614,7 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
         )
     for owner in gathered:
         owner.reshard_if_idle()
-    _optim.pre_step(optimizer, args, kwargs, _managed_by)
-
-
-def _managed_by(p: torch.Tensor) -> FSDPParam | None:
-    ref = _MANAGED.get(id(p))
-    fp = ref() if ref is not None else None
-    return fp if fp is not None and fp.sharded is p else None
+    _optim.pre_step(optimizer, args, kwargs, sharded_owner)
 
 
 def _walk_unmanaged(module: nn.Module, prefix: str = "") -> Iterator[tuple[nn.Module, str]]:

@@ -58,6 +58,7 @@ def _build_teardown(rank: int, world: int) -> dict:
     import importlib
 
     fs = importlib.import_module("fsdp2.fully_shard")  # the module, not the function
+    from fsdp2._param import _SHARDED_OWNER
 
     counts = []
     for i in range(12):
@@ -65,7 +66,7 @@ def _build_teardown(rank: int, world: int) -> dict:
         _train(model, opt, 2, rank, world)
         del model, opt
         gc.collect()
-        counts.append((len(gc.get_objects()), len(fs._MANAGED), len(fs._REPLACED)))
+        counts.append((len(gc.get_objects()), len(_SHARDED_OWNER), len(fs._REPLACED)))
     return {"counts": counts}
 
 

@@ -21,7 +21,7 @@ import fsdp2
 from _dist import run_ranks
 from _models import ToyModel, batch, full_params, loss_fn
 from fsdp2 import _optim
-from fsdp2.fully_shard import _managed_by
+from fsdp2._param import sharded_owner as _managed_by
 
 STEPS = 4
 PER_RANK_BATCH = 2
