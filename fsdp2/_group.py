@@ -380,7 +380,7 @@ class ParamGroup:
         assert self.ctx is not None
         self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
         for b in buckets:
-            b.reduce.deposit_unsharded_grads()
+            b.reduce.deposit_unsharded_grads(sync)
         if not sync:
             return
         for b in buckets:

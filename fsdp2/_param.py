@@ -109,6 +109,7 @@ class FSDPParam:
         self._grad_acc: Any = None  # its AccumulateGrad node, held (``_settle_holders``)
         self._quiet_holders = (-1, 0)
         self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
+        self._tp_pending: DTensor | None = None  # TP gradient kept Partial while accumulating
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the parameter's value ``full``: its own local tensor (a TP
@@ -212,22 +213,45 @@ class FSDPParam:
         quiet_impl, quiet_py = self._quiet_holders
         return quiet_impl >= 0 and impl <= quiet_impl and py <= quiet_py + len(self.owners)
 
-    def take_unsharded_grad(self) -> torch.Tensor | None:
-        """The gradient accumulated in the unsharded leaf, which is cleared."""
+    def take_unsharded_grad(self, defer_tp_in: torch.dtype | None = None) -> torch.Tensor | None:
+        """The gradient accumulated in the unsharded leaf (as a local tensor), which is
+        cleared. A tensor-parallel gradient still to be reduced over TP (``Partial``) is
+        redistributed first; with ``defer_tp_in`` (accumulating without synchronization)
+        it is instead kept in that dtype and added to the earlier ones (None then), so
+        the TP reduction runs once, at the step that synchronizes."""
         leaf = self.unsharded
         grad = None if leaf is None else leaf.grad
-        if grad is None:
+        if grad is not None:
+            leaf.grad = None  # type: ignore[union-attr]
+        if grad is None and self._tp_pending is None:
             return None
-        leaf.grad = None  # type: ignore[union-attr]
-        if isinstance(grad, DTensor):  # tensor parallel: the local part of the TP layout
-            assert self.tp is not None
-            # e.g. Partial: reduce over TP first; the data-parallel dims of an SPMD mesh
-            # stay as they are (a Partial there is what the reduce sums)
-            target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, self.tp[1])))
-            if tuple(grad.placements) != target:
-                grad = grad.redistribute(self.tp[0], target)
-            grad = grad.to_local()
-        return grad
+        if self.tp is None:
+            return grad
+        if grad is None:
+            grad, self._tp_pending = self._tp_pending, None
+        assert isinstance(grad, DTensor), f"fsdp2 internal error: local gradient for TP parameter {self.fqn}"
+        # The data-parallel dims of an SPMD mesh stay as they are (a Partial there is
+        # what the reduce sums); the others go to the parameter's own placements.
+        target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, self.tp[1])))
+        if tuple(grad.placements) != target:
+            if defer_tp_in is not None:
+                grad = grad.to(defer_tp_in)
+                self._tp_pending = grad if self._tp_pending is None else self._tp_pending + grad
+                return None
+            if self._tp_pending is not None:
+                grad, self._tp_pending = self._tp_pending + grad, None
+            grad = grad.redistribute(self.tp[0], target)
+        return grad.to_local()
+
+    def discard_unsharded_grad(self) -> None:
+        """Drop the leaf's gradient and any deferred TP one, communicating nothing."""
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        self._tp_pending = None
+
+    @property
+    def has_unsharded_grad(self) -> bool:
+        return (self.unsharded is not None and self.unsharded.grad is not None) or self._tp_pending is not None
 
 
 def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:

@@ -136,13 +136,16 @@ class BucketReduce:
     # ----------------------------------------------------------------- deposit
     def has_unsharded_grads(self) -> bool:
         """Some unsharded leaf holds a gradient not yet moved into the reduce input."""
-        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.bucket.params)
+        return any(p.has_unsharded_grad for p in self.bucket.params)
 
-    def deposit_unsharded_grads(self) -> None:
-        """Move the leaves' gradients into the reduce input (adding to earlier ones)."""
+    def deposit_unsharded_grads(self, sync: bool = True) -> None:
+        """Move the leaves' gradients into the reduce input (adding to earlier ones).
+        Without ``sync`` (accumulating), TP gradients still to be reduced over TP wait
+        in the reduce dtype, to be reduced over TP once, with the synchronizing step's."""
+        defer = None if sync else self.bucket.reduce_dtype
         with torch.no_grad():
             for p in self.bucket.params:
-                grad = p.take_unsharded_grad()
+                grad = p.take_unsharded_grad(defer)
                 if grad is not None:
                     self.deposit(p, grad)
 
@@ -268,11 +271,11 @@ class BucketReduce:
     def drop(self) -> None:
         """Forget deposited gradients and any reduce (after an exception)."""
         self.ready.clear()
-        for p in self.bucket.params:
-            p.take_unsharded_grad()
         pending, self._pending = self._pending, None
         in_place = self.bucket.in_place
         try:
+            for p in self.bucket.params:
+                p.discard_unsharded_grad()
             if pending is not None:
                 if in_place is not None and in_place.staged is not None:
                     in_place.finish_reduce(pending.label, discard=True)

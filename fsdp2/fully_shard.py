@@ -389,7 +389,8 @@ def _reshard_after_forward_value(value: Any, mesh: DeviceMesh) -> bool | int | N
     world = mesh.size(mesh.ndim - 1)
     if not (1 <= value <= world and world % value == 0):
         raise ValueError(
-            f"reshard_after_forward={value} must divide the shard size {world} (the mesh's last dim); "
+            f"reshard_after_forward={value} must divide the shard size {world} (the data-parallel "
+            "dim parameters are sharded over); "
             "use True (free all) or False (keep all) otherwise"
         )
     if value == 1:
@@ -465,7 +466,9 @@ def _validate_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:
         raise ValueError(
             f"parameter {fqn} is already a DTensor on {p.device_mesh}, which shares ranks with the "
             f"data-parallel mesh {mesh}; parallelize over the tensor-parallel dims (mesh['tp']) and pass "
-            "the data-parallel dims (mesh['dp']) to fully_shard"
+            "the data-parallel dims (mesh['dp']) to fully_shard, or, for parameters already on the "
+            "whole mesh, pass that mesh and name its data-parallel dims: fully_shard(module, mesh=mesh, "
+            "dp_mesh_dims=DataParallelMeshDims(shard='dp'))"
         )
 
 
@@ -486,6 +489,13 @@ def _validate_dp_mesh_dims(dims: Any, mesh: Any) -> DataParallelMeshDims:
         raise ValueError(f"dp_mesh_dims names {missing} that are not dims of the mesh {names}")
     if len(set(given)) != len(given):
         raise ValueError(f"dp_mesh_dims names a mesh dim twice: {dims!r}")
+    for field, group in (("shard", dims.shard_names), ("replicate", dims.replicate_names)):
+        order = [names.index(n) for n in group]
+        if order != sorted(order):
+            raise ValueError(
+                f"dp_mesh_dims.{field}={group!r} lists mesh dims out of the mesh's order {names}; "
+                f"list them in that order: {tuple(sorted(group, key=names.index))!r}"
+            )
     if not dims.shard_names:
         raise NotImplementedError(
             f"dp_mesh_dims={dims!r} replicates without sharding (DDP), which fsdp2 does not do; name the "

@@ -41,6 +41,7 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     check("dp_mesh_dims_type", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims="sdp"), TypeError, "expects a DataParallelMeshDims")
     check("dp_mesh_dims_unnamed", lambda: fsdp2.fully_shard(lin, mesh=unnamed2d, dp_mesh_dims=dims(shard="sdp")), ValueError, "with mesh_dim_names")
     check("dp_mesh_dims_name", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard="dp")), ValueError, "['dp'] that are not dims of the mesh")
+    check("dp_mesh_dims_order", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard=("stp", "sdp"))), ValueError, "list them in that order: ('sdp', 'stp')")
     check("dp_mesh_dims_twice", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard="sdp", replicate="sdp")), ValueError, "a mesh dim twice")
     check("dp_mesh_dims_ddp", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(replicate="sdp")), NotImplementedError, "replicates without sharding")
     check("dp_mesh_dims_plain", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard="sdp")), ValueError, "weight is a plain tensor")

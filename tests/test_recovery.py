@@ -115,3 +115,58 @@ def test_recovery_after_exceptions_on_one_rank() -> None:
     for where in ("forward", "backward"):
         for out in run_ranks(_recovery_worker, 1, where, False):
             assert all(out.values()), (where, out)
+
+
+def _tp_reset_communicates_nothing(out: Any) -> None:
+    """One rank of a fake dp 2 x tp 2 job: a backward raises after TP gradients (Partial)
+    reached the unsharded leaves; ``reset_iter_state`` drops them without a collective
+    (a recovery that only some ranks run must not wait for the others)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fsdp2
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    for layer in model:
+        layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh["tp"], [Replicate()]))
+    fsdp2.fully_shard(model, mesh=mesh["dp"])
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    x = DTensor.from_local(torch.randn(2, 4, requires_grad=True), mesh["tp"], [Shard(0)])
+    kept = model(x)  # a forward whose backward never runs: the group waits for its node
+    try:
+        model(Boom.apply(x)).to_local().sum().backward()
+    except RuntimeError:
+        pass
+    partial = sum(fp.unsharded.grad is not None for fp in model._fsdp2_state.group.params)
+    calls = []
+    original = DTensor.redistribute
+    DTensor.redistribute = lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    model.reset_iter_state()
+    DTensor.redistribute = original
+    out.put({"leaf_grads_before": partial, "redistributes": len(calls)})
+    del kept
+
+
+def test_reset_after_tensor_parallel_backward_failure_communicates_nothing() -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_tp_reset_communicates_nothing, args=(out,))
+    proc.start()
+    result = out.get(timeout=120)
+    proc.join(timeout=30)
+    assert result == {"leaf_grads_before": 2, "redistributes": 0}, result

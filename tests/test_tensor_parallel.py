@@ -183,9 +183,57 @@ def _run_spmd(cfg: dict[str, Any], lib: Any) -> dict[str, Any]:
     return {"worst": worst, "counts": counts, "placements": placements}
 
 
+def _accumulate(lib: Any) -> dict[str, Any]:
+    """dp 2 x tp 2, gradients accumulated over 3 micro-batches (synchronized on the last)
+    with ``param_dtype`` float32 and ``reduce_dtype`` float64: TP reductions (``Partial``
+    redistributions) per backward, and the parameters after 2 steps against local float64
+    training on the same batches."""
+    from torch.distributed.tensor import placement_types
+
+    torch.manual_seed(0)
+    ref = TPModel().double()
+    model = TPModel().double()
+    model.load_state_dict(ref.state_dict())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize(model, mesh["tp"])
+    mp = lib.MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    for block in model.blocks:
+        lib.fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+    lib.fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+    dp_rank = mesh["dp"].get_local_rank()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    reductions: list[int] = []
+    original = placement_types.Partial._reduce_value
+    count = [0]
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    for step in range(2):
+        for micro in range(3):
+            ids, targets = _batch(10 * step + micro, 4)
+            (_loss(ref(ids), targets) / 3).backward()
+            model.set_requires_gradient_sync(micro == 2)
+            loss = _loss(model(ids.chunk(2)[dp_rank]).double(), targets.chunk(2)[dp_rank]) / 3
+            count[0] = 0
+            placement_types.Partial._reduce_value = counted
+            try:
+                loss.backward()
+            finally:
+                placement_types.Partial._reduce_value = original
+            reductions.append(count[0])
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    got, want = full_params(model), full_params(ref)
+    return {"reductions": reductions, "worst": max((got[n] - want[n]).abs().max().item() for n in want)}
+
+
 def _worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     lib = impl(lib_name)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"accumulate": _accumulate(lib)}
     for configs, run in ((CONFIGS, _run), (SPMD_CONFIGS, _run_spmd)):
         for name, cfg in configs.items():
             try:
@@ -233,3 +281,13 @@ def test_placements_as_torch_and_no_more_collectives(name: str) -> None:
         for a, b in zip(mine[name]["counts"], theirs[name]["counts"]):
             for kind in set(a) | set(b):
                 assert a.get(kind, 0) <= b.get(kind, 0), (kind, mine[name]["counts"], theirs[name]["counts"])
+
+
+def test_tp_gradients_accumulate_unreduced_until_the_synchronizing_step() -> None:
+    """Accumulating in a reduce dtype other than the compute dtype, TP gradients are
+    reduced over TP once per step (as torch does), in the reduce dtype, not per micro-batch."""
+    for mine, theirs in zip(_results("fsdp2"), _results("torch")):
+        ours = mine["accumulate"]
+        assert ours["worst"] <= 1e-5, ours  # float32 compute against float64 local training
+        assert all(n == 0 for i, n in enumerate(ours["reductions"]) if i % 3 != 2), ours
+        assert ours["reductions"] == theirs["accumulate"]["reductions"], (ours, theirs["accumulate"])
