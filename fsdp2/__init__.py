@@ -1,6 +1,7 @@
 """fsdp2: fully sharded data parallel training, a drop-in for torch's ``fully_shard``."""
 
 from ._state_dict import StateDictError
+from ._knobs import share_comm_ctx
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 
@@ -14,5 +15,6 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,13 +71,15 @@ class FlatBucket:
         # are the unsharded parameters, so gathers write straight into them.
         self.blocks_are_the_values = all(p.layout.blocks_are_the_value for p in self.sharded_params)
         self._pending_gather: Pending | None = None
-        self._gather_buf: torch.Tensor | None = None  # pooled, owned until copied out
+        self._gather_buf: torch.Tensor | None = None  # owned until copied out
+        self._gather_pooled = True  # ``_gather_buf`` came from the pool (else a custom collective)
         self._gather_input: torch.Tensor | None = None  # kept alive until the gather is waited
         self._gather_issue: torch.futures.Future | None = None  # a deferred in-place gather
         self._partial: torch.Tensor | None = None  # post-forward partial reshard (int)
         self._flat_alias: tuple[torch.Tensor, torch.Tensor] | None = None
         # ``_shards_version()`` when a forward left the gathered copy in place (``is_stale``).
         self._gathered_version: int | None = None
+        self.custom_all_gather: Any = None  # ``set_custom_all_gather``'s collective, if any
         self.follows_dtype = (True, True)  # (compute, reduce) follow ``dtype`` on ``rebind``
         self.reduce = BucketReduce(self)
         self.commit = GradCommit(self)
@@ -229,7 +232,7 @@ class FlatBucket:
             source, group = self._partial, partial_group
         else:
             source, group = self.sharded_flat[: self.shard_numel], comm.shard_group
-            if self.in_place is not None and self.in_place.gathers:
+            if self.in_place is not None and self.in_place.gathers and self.custom_all_gather is None:
                 if after is not None and not after.done() and not debug_enabled():
                     issue = functools.partial(self._start_gather_in_place, source)
                     self._gather_issue = issue_after(after, issue)
@@ -239,12 +242,19 @@ class FlatBucket:
             if self.compute_dtype != self.dtype:
                 with traced("fsdp2::cast_for_all_gather"):
                     source = source.to(self.compute_dtype)
-        self._gather_buf = comm.pool.acquire(self.comm_numel(), self.compute_dtype, source.device)
-        output = self._gather_buf[: comm.shard_size * self.shard_numel]
         self._gather_input = source
-        self._pending_gather = all_gather_flat(
-            source, output, group, label=f"all-gather of {self.name}"
-        )
+        label = f"all-gather of {self.name}"
+        custom = self.custom_all_gather
+        if custom is not None:
+            numel = group.size() * source.numel()
+            output = self._gather_buf = custom.allocate((numel,), dtype=self.compute_dtype, device=source.device)
+            self._gather_pooled = False
+            self._pending_gather = Pending(custom(output, source, group, async_op=True), output, label)
+            return
+        self._gather_buf = comm.pool.acquire(self.comm_numel(), self.compute_dtype, source.device)
+        self._gather_pooled = True
+        output = self._gather_buf[: comm.shard_size * self.shard_numel]
+        self._pending_gather = all_gather_flat(source, output, group, label=label)
 
     def _start_gather_in_place(self, shard: torch.Tensor) -> None:
         assert self.in_place is not None
@@ -267,7 +277,8 @@ class FlatBucket:
             if self._gather_buf is not None:
                 with traced("fsdp2::copy_out"):
                     self._copy_out(output.view(self.comm.shard_size, self.shard_numel))
-                self.comm.pool.release(self._gather_buf)
+                if self._gather_pooled:
+                    self.comm.pool.release(self._gather_buf)
                 self._gather_buf = None
         self._partial = None
         if self.scalars:
@@ -365,7 +376,7 @@ class FlatBucket:
             try:
                 wait_pending(self._pending_gather)
             finally:
-                if self._gather_buf is not None:
+                if self._gather_buf is not None and self._gather_pooled:
                     self.comm.pool.release(self._gather_buf)
                 self._gather_buf = None
                 self._pending_gather = None

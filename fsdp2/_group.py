@@ -370,7 +370,7 @@ class ParamGroup:
             if sync:
                 # Nothing reads the parameters now: sum the gradients in their place.
                 for b in self.buckets:
-                    if b.in_place is not None:
+                    if b.in_place is not None and b.reduce.is_plain:
                         b.in_place.lend(b.reduce)
             self.reshard()
         self.training_state = TrainingState.IDLE
@@ -385,7 +385,7 @@ class ParamGroup:
             return
         for b in buckets:
             if b.reduce.has_reduced_params():
-                if self.reshard_after_backward and b.in_place is not None:
+                if self.reshard_after_backward and b.in_place is not None and b.reduce.is_plain:
                     # Every rank decides alike here, whatever gradients it deposited
                     # (which ones a rank computed can depend on its data).
                     b.in_place.lend(b.reduce)

@@ -15,10 +15,12 @@ that trick).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum, auto
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from ._collectives import Pending, all_reduce_in_place, reduce_scatter_flat, traced, wait_pending
 from ._param import FSDPParam
@@ -72,6 +74,13 @@ class BucketReduce:
         # HSDP with ``set_requires_all_reduce(False)``: this rank's reduced row, summed over
         # the shard ranks only, waiting for the next backward that all-reduces.
         self._unreplicated: torch.Tensor | None = None
+        self.hook: Callable[[torch.Tensor], None] | None = None  # ``set_all_reduce_hook``
+        self.custom: Any = None  # ``set_custom_reduce_scatter``'s collective, if any
+
+    @property
+    def is_plain(self) -> bool:
+        """No user hook or collective: the in-place strategy may take the reduce."""
+        return self.hook is None and self.custom is None
 
     def _advance(self, to: ReduceState, *allowed: ReduceState) -> None:
         if self.state not in allowed:
@@ -191,6 +200,12 @@ class BucketReduce:
                     buf[:, layout.scalar_base + i].zero_()
             flags = torch.tensor(self.deposited, dtype=buf.dtype).to(buf.device)
             buf[:, layout.grad_numel : layout.scalar_base].copy_(flags)
+        label = f"reduce-scatter of {self.bucket.name}"
+        if self.custom is not None and comm.shard_size > 1:
+            out = self.custom.allocate((layout.numel,), dtype=buf.dtype, device=buf.device)
+            work = self.custom(out, buf.reshape(-1), comm.shard_group, dist.ReduceOp.SUM, async_op=True)
+            self._pending = Pending(work, out, label)
+            return
         if comm.on_gloo and comm.shard_size > 1:
             method = "all_to_all"
             self._scratch = comm.pool.acquire(buf.numel(), buf.dtype, buf.device)
@@ -205,7 +220,7 @@ class BucketReduce:
             comm.shard_rank,
             method,
             None if self._scratch is None else self._scratch.view(buf.shape),
-            label=f"reduce-scatter of {self.bucket.name}",
+            label=label,
         )
 
     def finish(self) -> None:
@@ -225,20 +240,23 @@ class BucketReduce:
     def _stage_from_pool(self, result: torch.Tensor) -> Staged | None:
         """The pooled reduce completed: copy out this rank's row, then release the buffer."""
         layout, b = self.layout(), self.bucket
+        if layout.scalars and self._scalars_in_row_0():
+            # Replicated scalars are bitwise equal on every rank in row 0 only (after an
+            # all-reduce; after an all-to-all every rank's own row has them, summed alike).
+            result[layout.scalar_base :].copy_(self.input2d()[0, layout.scalar_base : layout.numel])
         if b.comm.is_hsdp:
             summed = self._sum_replicas(result, layout)
             if summed is None:
                 self.release_buffers()
                 return None
             result = summed
+        if self.hook is not None:
+            self.hook(result[: layout.numel])
         with traced("fsdp2::grad_copy"):
             grads = result[: layout.grad_numel].to(b.dtype, copy=True)
             # Kept as a tensor: reading it (a device sync on GPUs) waits for commit_grads.
             used = result[layout.grad_numel : layout.scalar_base].clone()
-            # Replicated scalars: bitwise equal on every rank in row 0 after an all-reduce,
-            # and in every rank's own row after an all-to-all (summed alike everywhere).
-            row = result if b.comm.on_gloo or b.comm.is_hsdp else self.input2d()[0]
-            scalar_vals = row[layout.scalar_base : layout.numel].to(b.dtype, copy=True)
+            scalar_vals = result[layout.scalar_base : layout.numel].to(b.dtype, copy=True)
             staged = stage(layout, grads, used, scalar_vals, self.divide_factor)
         self.release_buffers()
         return staged
@@ -248,9 +266,6 @@ class BucketReduce:
         backwards without all-reduce kept), or keep it for later: None then."""
         comm = self.bucket.comm
         row = result[: layout.numel]
-        if not comm.on_gloo and layout.scalars:
-            # Replicated scalars are bitwise equal across the shard ranks in row 0 only.
-            row[layout.scalar_base :].copy_(self.input2d()[0, layout.scalar_base : layout.numel])
         if self._unreplicated is not None:
             row.add_(self._unreplicated)
             self._unreplicated = None
@@ -260,6 +275,11 @@ class BucketReduce:
         assert comm.replicate_group is not None
         wait_pending(all_reduce_in_place(row, comm.replicate_group, label=f"all-reduce of {self.bucket.name}"))
         return row
+
+    def _scalars_in_row_0(self) -> bool:
+        """The reduce ran as an all-reduce over the whole input (see ``start``)."""
+        comm = self.bucket.comm
+        return self.custom is None and not comm.on_gloo and comm.shard_size > 1
 
     def release_buffers(self) -> None:
         """The reduce input and the all-to-all's receive buffer go back to the pool."""

@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _classes, _optim
 from ._buffers import BufferPool
 from ._group import ParamGroup, ShardState, TrainingState
+from ._knobs import CommKnobs, check_bool
 from ._mesh import MeshInfo, SpmdDims, mesh_device
 from ._param import FSDPParam, sharded_owner, unsharded_owner
 from ._state import FSDPState
@@ -123,7 +124,7 @@ def fully_shard(
 
 
 # ---------------------------------------------------------------------- FSDPModule
-class FSDPModule:
+class FSDPModule(CommKnobs):
     """Mixin of every module ``fully_shard`` was applied to."""
 
     _fsdp2_state: FSDPState
@@ -194,7 +195,7 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step. When ``False``,
         its reduce-scatters stay in flight and finish at the next last backward."""
-        _check_bool("set_is_last_backward", is_last_backward)
+        check_bool("set_is_last_backward", is_last_backward)
         group = self._fsdp2_state.group
         if group.ctx is not None and group.ctx.root is not group:
             raise RuntimeError(
@@ -206,7 +207,7 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False`` accumulates unsharded gradients locally without communication
         (gradient accumulation); the next backward with ``True`` reduces the sum."""
-        _check_bool("set_requires_gradient_sync", requires_gradient_sync)
+        check_bool("set_requires_gradient_sync", requires_gradient_sync)
         for g in self._target_groups(recurse):
             g.requires_gradient_sync = requires_gradient_sync
 
@@ -215,7 +216,7 @@ class FSDPModule:
         all-reduce them over the replicas; the sums wait, and the next backward with
         ``True`` all-reduces them together (gradient accumulation with less traffic).
         Nothing to do on a 1D mesh."""
-        _check_bool("set_requires_all_reduce", requires_all_reduce)
+        check_bool("set_requires_all_reduce", requires_all_reduce)
         for g in self._target_groups(recurse):
             g.requires_all_reduce = requires_all_reduce
 
@@ -237,7 +238,7 @@ class FSDPModule:
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps parameters unsharded after backward (saves the next forward's
         all-gather during gradient accumulation, at the cost of memory)."""
-        _check_bool("set_reshard_after_backward", reshard_after_backward)
+        check_bool("set_reshard_after_backward", reshard_after_backward)
         for g in self._target_groups(recurse):
             g.reshard_after_backward = reshard_after_backward
 
@@ -245,7 +246,7 @@ class FSDPModule:
         """``False``: this module's parameters are not all-gathered for backward, for
         modules whose backward does not read them (e.g. an embedding: its weight's
         gradient needs only the indices). Gradients are reduced as usual."""
-        _check_bool("set_unshard_in_backward", unshard_in_backward)
+        check_bool("set_unshard_in_backward", unshard_in_backward)
         self._fsdp2_state.group.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -687,11 +688,6 @@ def _prefetch_groups(method: str, modules: Any) -> list[ParamGroup]:
                 "call fully_shard on it first or leave it out"
             )
     return [m._fsdp2_state.group for m in modules]
-
-
-def _check_bool(method: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{method} expects a bool, got {type(value).__name__} {value!r}")
 
 
 def _fsdp_class(cls: type) -> type:

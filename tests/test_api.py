@@ -108,3 +108,49 @@ def test_public_surface_matches_torch() -> None:
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32
     )
     assert fsdp2.CPUOffloadPolicy().pin_memory is True
+
+
+# torch 2.13's public FSDP2 names (``torch.distributed.fsdp``'s fully_shard API; the
+# FSDP1 names that module also exports are not part of the drop-in promise).
+FSDP2_NAMES = (
+    "CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+    "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx",
+)
+
+
+def _public_methods(cls: type) -> dict[str, object]:
+    import inspect
+
+    base = set(dir(nn.Module))
+    return {n: m for n, m in inspect.getmembers(cls) if not n.startswith("_") and n not in base and callable(m)}
+
+
+def _parameters(fn: object) -> list[tuple[str, object, object]]:
+    """(name, kind, default) of each parameter, the default as its repr (ours and torch's
+    policy classes differ but print alike); types and annotations may differ."""
+    import inspect
+
+    return [(p.name, p.kind, repr(p.default)) for p in inspect.signature(fn).parameters.values()]  # type: ignore[arg-type]
+
+
+def test_public_api_matches_the_installed_torch() -> None:
+    """Every public name and FSDPModule method of the installed torch's fully_shard API
+    exists in fsdp2 with the same parameters (names, kinds, defaults): a torch release
+    that adds or changes one fails here rather than in a user's script."""
+    import torch.distributed.fsdp as theirs
+
+    missing = [n for n in FSDP2_NAMES if hasattr(theirs, n) and not hasattr(fsdp2, n)]
+    assert not missing, missing
+    for name in ("fully_shard", "register_fsdp_forward_method", "share_comm_ctx"):
+        assert _parameters(getattr(fsdp2, name)) == _parameters(getattr(theirs, name)), name
+    ours, torchs = _public_methods(fsdp2.FSDPModule), _public_methods(theirs.FSDPModule)
+    assert not sorted(set(torchs) - set(ours)), sorted(set(torchs) - set(ours))
+    for name, method in torchs.items():
+        assert _parameters(ours[name]) == _parameters(method), name
+    for cls in ("MixedPrecisionPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"):
+        assert _parameters(getattr(fsdp2, cls)) == _parameters(getattr(theirs, cls)), cls
+    # New torch names: any public name of torch's _fully_shard package fsdp2 lacks.
+    from torch.distributed.fsdp import _fully_shard
+
+    new = [n for n in getattr(_fully_shard, "__all__", []) if not hasattr(fsdp2, n)]
+    assert not new, f"torch's fully_shard API has names fsdp2 lacks: {new}"

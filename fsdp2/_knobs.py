@@ -1,0 +1,140 @@
+"""``FSDPModule``'s communication settings: torch 2.13's names and signatures.
+
+Some change what fsdp2 does (the all-reduce hook, custom all-gather and reduce-scatter
+collectives); the rest tune how an accelerator's collectives are issued (streams,
+NCCL allocators, symmetric memory, a second communicator) where fsdp2 issues every
+collective on the current stream from one flat buffer per group, or describe what
+fsdp2 always does (sum reductions, zero gradients for unused parameters). Those check
+their arguments and change nothing; each docstring says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class CommKnobs:
+    """Mixin of ``FSDPModule``: the communication settings."""
+
+    _fsdp2_state: Any
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(reduce_output)`` on this module's reduced gradients: after the
+        reduce-scatter (1D mesh) or after the all-reduce over the replicas (HSDP), before
+        the gradients are divided and written to ``.grad``. ``reduce_output`` is this
+        rank's reduced row in the reduce dtype, modified in place by the hook (e.g. an
+        all-reduce over another process group): the sharded gradients, then one "used"
+        flag per parameter (above zero: some rank produced a gradient), then the
+        gradients of 0-dim parameters. A sum-like hook keeps the flags meaningful.
+        ``stream``: accepted on accelerators without native HSDP (fsdp2 runs the hook
+        on the current stream); must be None on CPU. Set it before training starts."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        group = self._fsdp2_state.group
+        if stream is not None:
+            if group.comm.is_hsdp:
+                raise ValueError("set_all_reduce_hook(stream=...) cannot be set with native HSDP (a 2D mesh)")
+            if group.comm.device_type == "cpu":
+                raise ValueError("set_all_reduce_hook(stream=...): streams exist on accelerators only; pass None on CPU")
+        for b in group.buckets:
+            b.reduce.hook = hook
+            b.direct = False  # one rank without a dtype change: reduce (a copy) all the same
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """All-gather this module's parameters with ``comm`` (torch's ``AllGather``
+        protocol: ``comm.allocate(size, dtype=..., device=...)`` for the output and
+        ``comm(output_tensor, input_tensor, group, async_op=True)`` returning a work
+        handle), instead of fsdp2's own gathers."""
+        _check_comm("set_custom_all_gather", comm)
+        for b in self._fsdp2_state.group.buckets:
+            b.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce-scatter this module's gradients with ``comm`` (torch's
+        ``ReduceScatter`` protocol: ``comm.allocate(...)`` for the output and
+        ``comm(output_tensor, input_tensor, group, op, async_op=True)``), called with
+        ``ReduceOp.SUM`` on fsdp2's reduce input (each rank's row: gradients, "used"
+        flags, 0-dim parameters' gradients). 0-dim parameters stay equal across ranks
+        only if ``comm`` sums every element in the same rank order."""
+        _check_comm("set_custom_reduce_scatter", comm)
+        for b in self._fsdp2_state.group.buckets:
+            b.reduce.custom = comm
+            b.direct = False
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """fsdp2 always reduces with ``ReduceOp.SUM`` and divides afterwards (no
+        ``AVG`` or pre-scaling), so this changes nothing; checked for a bool."""
+        check_bool("set_force_sum_reduction_for_comms", enable)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """fsdp2 always includes unused parameters in its reduce (as zeros with a zero
+        "used" flag, so they keep ``grad=None``), so every rank issues the same
+        collectives whatever its control flow: this changes nothing; checked for a bool."""
+        check_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """An event recorded after the optimizer step for the all-gather streams to wait
+        on. fsdp2 issues its all-gathers on the current stream, after the step in stream
+        order, so there is nothing to wait for: checked and dropped."""
+        if not isinstance(event, (torch.Event, *_cuda_event_types())):
+            raise TypeError(f"set_post_optim_event expects a torch.Event, got {type(event).__name__}")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce inputs may be in flight at once. fsdp2 takes them from one pool
+        shared by every group and keeps one reduce in flight while the next group's
+        backward runs, which this knob does not change; checked for a positive int."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """A second communicator for reduce-scatters, so they overlap all-gathers on NCCL.
+        fsdp2 issues both on the shard group; on gloo each collective already runs on its
+        own thread. Checked for a bool; changes nothing."""
+        check_bool("set_separate_reduce_scatter_group", enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Symmetric-memory staging buffers for NCCL's all-gather. fsdp2 gathers from its
+        own pooled buffers; checked (only ``"NCCL"``), changes nothing."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Staging buffers from the process group's allocator (NCCL zero-copy). fsdp2's
+        buffers come from its own pool; checked for a bool, changes nothing."""
+        check_bool("set_allocate_memory_from_process_group_for_comm", enable)
+
+
+def share_comm_ctx(modules: list[Any]) -> None:
+    """Share communication streams among several roots (pipeline stages). fsdp2's roots
+    already share everything such a context holds (one buffer pool per device, the
+    current stream), so this only checks that ``modules`` are fully_shard-ed."""
+    from .fully_shard import FSDPModule
+
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"share_comm_ctx expects a list of FSDPModule, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects a list of FSDPModules, got {type(m).__name__}")
+
+
+def check_bool(method: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method} expects a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_comm(method: str, comm: Any) -> None:
+    if not (callable(comm) and callable(getattr(comm, "allocate", None))):
+        raise TypeError(
+            f"{method} expects an object with allocate(size, *, dtype, device) and __call__ (torch's "
+            f"AllGather / ReduceScatter protocol), got {type(comm).__name__}"
+        )
+
+
+def _cuda_event_types() -> tuple[type, ...]:
+    event = getattr(getattr(torch, "cuda", None), "Event", None)
+    return (event,) if isinstance(event, type) else ()
