@@ -11,6 +11,7 @@ or silently mixing up data (e.g. when a data-dependent branch runs different gro
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -58,6 +59,24 @@ _DEFERRED: list[torch.futures.Future] = []
 _ISSUER = threading.local()
 # key -> (the default group it was made under, the value): process groups fsdp2 creates.
 _GROUPS: dict[Any, tuple[Any, Any]] = {}
+
+
+def release_at_exit() -> None:
+    """Before the interpreter tears down (``atexit``): wait for deferred all-gathers
+    still to be issued from gloo's threads, and drop the process groups fsdp2 made, so
+    that no gloo group is destroyed, with its threads, while the interpreter is
+    half torn down (gloo aborts the process then: "terminate called without an active
+    exception")."""
+    while _DEFERRED:
+        head = _DEFERRED.pop(0)
+        try:
+            head.wait()
+        except Exception:  # noqa: BLE001 - exiting: an error was reported where it happened
+            pass
+    _GROUPS.clear()
+
+
+atexit.register(release_at_exit)
 
 
 def cached_group(key: Any, make: Callable[[], Any]) -> Any:

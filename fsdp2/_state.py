@@ -63,7 +63,7 @@ class FSDPState:
             ctx = RootContext.lazy_init(self)
         if ctx.root is self.group:
             if _optim._ACTIVE:
-                _optim.repair_all()  # an optimizer step raised midway
+                _optim.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
             ctx.start_iteration()
         if not ctx.in_backward:  # a recompute may stop early, without its post_forward
             ctx.active_forwards += 1

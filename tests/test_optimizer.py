@@ -318,6 +318,9 @@ def _worker_raise(rank: int, world: int, scalar_gate: bool) -> dict[str, Any]:
         opt.step()
     opt.zero_grad()
     ids, _ = batch(0, PER_RANK_BATCH)
+    other, _ = _build(rank, world)  # another model in the process: its forward is its own
+    other(ids)
+    out["left_by_another_model"] = any(not isinstance(p, DTensor) for p in opt.param_groups[0]["params"])
     model(ids)
     out["repaired_at_forward"] = all(isinstance(p, DTensor) for p in opt.param_groups[0]["params"]) and all(
         p.grad is None for p in model.parameters()
@@ -333,8 +336,68 @@ def test_step_that_raises_leaves_nothing_swapped(scalar_gate: bool) -> None:
         aliases_left=True,
         state_dict_dtensor=True,
         grads_cleared=True,
+        left_by_another_model=True,
         repaired_at_forward=True,
     )
+
+
+def _worker_threads(rank: int, world: int) -> dict[str, Any]:
+    """One thread is inside ``optimizer.step()`` (swapped to the local shards) while
+    another runs a forward of the same kind of model, then of the same model's root
+    after the step: the step in flight is left alone and finishes as without threads."""
+    import threading
+
+    model, ref = _build(rank, world, scalar_gate=False)
+    other, _ = _build(rank, world, scalar_gate=False)
+    make = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    for step in range(2):
+        _train_step(model, ref, step, rank, world)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    _train_step(model, ref, 2, rank, world)
+    inside, release = threading.Event(), threading.Event()
+    import torch.optim.sgd as sgd_module
+
+    original = sgd_module._single_tensor_sgd
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        inside.set()
+        release.wait(60)
+        return original(*args, **kwargs)
+
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            opt.step()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with mock.patch("torch.optim.sgd._single_tensor_sgd", side_effect=slow):
+        worker = threading.Thread(target=step)
+        worker.start()
+        inside.wait(60)
+        ids, _ = batch(0, PER_RANK_BATCH)
+        other(ids)  # another model's root forward on this thread
+        swapped_during = any(not isinstance(p, DTensor) for p in opt.param_groups[0]["params"])
+        release.set()
+        worker.join(60)
+    ref_opt.step()
+    got, want = full_params(model), full_params(ref)
+    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    return {
+        "errors": [repr(e) for e in errors],
+        "swapped_during": swapped_during,
+        "restored": all(isinstance(p, DTensor) for p in opt.param_groups[0]["params"]),
+        "exact": worst <= 1e-12,
+    }
+
+
+def test_a_step_in_flight_on_another_thread_is_left_alone() -> None:
+    out = run_ranks(_worker_threads, 1)[0]
+    assert out == dict(errors=[], swapped_during=True, restored=True, exact=True)
 
 
 def _worker_disabled(rank: int, world: int) -> int:
