@@ -77,8 +77,7 @@ class FlatBucket:
         self._gather_issue: torch.futures.Future | None = None  # a deferred in-place gather
         self._partial: torch.Tensor | None = None  # post-forward partial reshard (int)
         self._flat_alias: tuple[torch.Tensor, torch.Tensor] | None = None
-        # ``_shards_version()`` when a forward left the gathered copy in place (``is_stale``).
-        self._gathered_version: int | None = None
+        self.kept = KeptCopy(self)
         self.custom_all_gather: Any = None  # ``set_custom_all_gather``'s collective, if any
         self.follows_dtype = (True, True)  # (compute, reduce) follow ``dtype`` on ``rebind``
         self.reduce = BucketReduce(self)
@@ -137,7 +136,9 @@ class FlatBucket:
         # One rank, no dtype change on the way in or out: the leaves alias the shards
         # and ``commit_direct`` hands their gradients to the sharded parameters, as in
         # local training: nothing to gather or reduce.
-        self.direct = self.gather_is_identity and self.reduce_dtype == self.dtype and not self.comm.is_hsdp
+        self.direct = (
+            self.gather_is_identity and self.reduce_dtype == self.dtype and not self.comm.is_hsdp and self.reduce.is_plain
+        )
         # How many references to the unsharded storage are our own (the tensors above);
         # any more means some tensor outside, e.g. one autograd saved, can still read it.
         self._own_storage_refs = _storage_refs(flat)
@@ -313,30 +314,12 @@ class FlatBucket:
                 blocks.append(cut)
         return blocks
 
-    def note_kept(self) -> None:
-        """A forward ends with the gathered (or partially kept) parameters left in place."""
-        self._gathered_version = None if self.gather_is_identity else self._shards_version()
-
-    def is_stale(self) -> bool:
-        """Parameters a forward left gathered predate a write to the shards since."""
-        return self._gathered_version is not None and self._shards_version() != self._gathered_version
-
-    def _shards_version(self) -> int:
-        """Grows with every write to the shards: through the flat buffer (a flat optimizer
-        step), a local shard (``to_local()``, a per-parameter step) or the DTensor itself
-        (an in-place DTensor op, ``load_state_dict``). DTensor ops run below autograd, so
-        these are three separate version counters."""
-        version = self.sharded_flat._version
-        for p in self.params:
-            version += p.sharded._version + p.sharded._local_tensor._version  # type: ignore[union-attr]
-        return version
-
     def reshard(self) -> None:
         # Never free memory a collective still writes (or a deferred one will).
         if self._pending_gather is not None or self._gather_issue is not None:
             self.finish_all_gather()
         self._partial = None
-        self._gathered_version = None
+        self.kept.clear()
         self.free_unsharded()
 
     def reshard_partial(self, factor: int, index: int) -> None:
@@ -381,6 +364,37 @@ class FlatBucket:
                 self._gather_buf = None
                 self._pending_gather = None
                 self._gather_input = None
+
+
+class KeptCopy:
+    """Whether the parameters a forward left gathered (the root, the kept last block,
+    ``reshard_after_forward=False`` or an int) still match the shards: an optimizer step
+    or a load in between makes them stale, and the next forward gathers afresh."""
+
+    def __init__(self, bucket: FlatBucket) -> None:
+        self.bucket = bucket
+        self.version: int | None = None  # the shards' version when the copy was kept
+
+    def note(self) -> None:
+        """A forward ends with the gathered (or partially kept) parameters left in place."""
+        self.version = None if self.bucket.gather_is_identity else self._shards_version()
+
+    def clear(self) -> None:
+        self.version = None
+
+    def is_stale(self) -> bool:
+        return self.version is not None and self._shards_version() != self.version
+
+    def _shards_version(self) -> int:
+        """Grows with every write to the shards: through the flat buffer (a flat optimizer
+        step), a local shard (``to_local()``, a per-parameter step) or the DTensor itself
+        (an in-place DTensor op, ``load_state_dict``). DTensor ops run below autograd, so
+        these are three separate version counters."""
+        b = self.bucket
+        version = b.sharded_flat._version
+        for p in b.params:
+            version += p.sharded._version + p.sharded._local_tensor._version  # type: ignore[union-attr]
+        return version
 
 
 def _storage_refs(t: torch.Tensor) -> int | None:

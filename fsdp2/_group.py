@@ -245,21 +245,10 @@ class ParamGroup:
         if new:
             self.rebind()
 
-    def root_fqn(self, fp: FSDPParam) -> str:
-        """``fp``'s name from the root's view once lazy init named the group, else its own."""
-        prefix = self.name if self.ctx is not None and self.name != "<root>" and "," not in self.name else ""
-        return f"{prefix}.{fp.fqn}" if prefix else fp.fqn
-
     def _check_not_reassigned(self) -> None:
         for fp in self.params:
-            t = fp.reassigned()
-            if t is not None:
-                raise RuntimeError(
-                    f"fsdp2: parameter {self.root_fqn(fp)} was reassigned after the model's first forward; fsdp2 "
-                    "adopts reassigned parameters only before it. Copy the new values into the "
-                    "parameter instead: with torch.no_grad(): param.copy_(distribute_tensor(value, "
-                    "param.device_mesh, param.placements))"
-                )
+            if fp.reassigned() is not None:
+                _raise_reassigned(self, fp)
 
     # -------------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -273,7 +262,7 @@ class ParamGroup:
             for b in self.buckets:
                 b.reduce.refresh_layout()
             if self.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL) and any(
-                b.is_stale() for b in self.buckets
+                b.kept.is_stale() for b in self.buckets
             ):
                 # Still gathered from a forward whose backward never ran (the root, the
                 # kept last block, reshard_after_forward=False or int) and the shards
@@ -312,7 +301,7 @@ class ParamGroup:
                 self._reshard_after_forward()
                 if self.shard_state is not ShardState.SHARDED:
                     for b in self.buckets:
-                        b.note_kept()  # checked at the next forward (``pre_forward``)
+                        b.kept.note()  # checked at the next forward (``pre_forward``)
             else:
                 self.reshard()  # no backward follows a no-grad forward: keep nothing
             self.training_state = TrainingState.IDLE
@@ -430,6 +419,16 @@ def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> 
                 "materialize them first with model.to_empty(device=...) and initialize them "
                 "(e.g. reset_parameters() or load_state_dict)"
             )
+
+
+def _raise_reassigned(group: ParamGroup, fp: FSDPParam) -> None:
+    prefix = group.name if group.ctx is not None and group.name != "<root>" and "," not in group.name else ""
+    raise RuntimeError(
+        f"fsdp2: parameter {prefix + '.' if prefix else ''}{fp.fqn} was reassigned after the model's first "
+        "forward; fsdp2 adopts reassigned parameters only before it. Copy the new values into the "
+        "parameter instead: with torch.no_grad(): param.copy_(distribute_tensor(value, "
+        "param.device_mesh, param.placements))"
+    )
 
 
 def _check_replacement(fp: FSDPParam, t: torch.Tensor) -> None:

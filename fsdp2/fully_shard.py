@@ -133,7 +133,7 @@ class FSDPModule(CommKnobs):
         """Constructing a generated ``FSDP<Name>`` class (e.g. ``nn.Sequential``'s slicing,
         ``model[:2]``, builds ``type(self)(...)``) makes the original class: a new module
         fully_shard was not applied to, holding the same (sharded) children."""
-        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        original = next(c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
         module = original.__new__(original)
         module.__init__(*args, **kwargs)
         return module
