@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ._collectives import Pending, all_gather_flat, debug_enabled, issue_after, traced, wait_future, wait_pending
 from ._commit import GradCommit
+from ._extension import ExtensionGather
 from ._in_place import InPlace
 from ._mesh import MeshInfo
 from ._param import FSDPParam
@@ -70,6 +71,9 @@ class FlatBucket:
         # Every parameter shards on dim 0 (or one rank): the gathered blocks, rank-major,
         # are the unsharded parameters, so gathers write straight into them.
         self.blocks_are_the_values = all(p.layout.blocks_are_the_value for p in self.sharded_params)
+        # Subclasses with an all-gather extension (in buckets of their own): their gather.
+        self.extension = any(p.extension for p in params)
+        self.mp_policy: Any = None  # the group's, passed to ``fsdp_pre_all_gather``
         self._pending_gather: Pending | None = None
         self._gather_buf: torch.Tensor | None = None  # owned until copied out
         self._gather_pooled = True  # ``_gather_buf`` came from the pool (else a custom collective)
@@ -94,7 +98,7 @@ class FlatBucket:
                 local = self.local_view(p)
                 if device.type != "meta" and orig.device.type != "meta":
                     local.copy_(p.local_chunk(orig.detach()))
-                p.set_sharded(torch.nn.Parameter(p.to_dtensor(local), requires_grad=orig.requires_grad))
+                p.set_sharded(p.new_sharded(local, orig.requires_grad))
         self._allocate_unsharded()
 
     def _allocate_unsharded(self) -> None:
@@ -102,7 +106,8 @@ class FlatBucket:
         numel = world * self.shard_numel + len(self.scalars)
         # On one rank without a dtype change both layouts coincide: the unsharded
         # parameters are the shards themselves, and unshard/reshard do nothing.
-        self.gather_is_identity = world == 1 and self.compute_dtype == self.dtype
+        self.gather_is_identity = world == 1 and self.compute_dtype == self.dtype and not self.extension
+        self.extension_gather = ExtensionGather(self) if self.extension else None
         # On gloo, large buckets gather and reduce in place, in the unsharded storage:
         # no pooled buffer, no copy-out, no temporary inside gloo's all-gather.
         self.in_place = InPlace(self) if InPlace.applies(self) else None
@@ -164,13 +169,15 @@ class FlatBucket:
         return self.sharded_flat[p.offset : p.offset + p.layout.local_numel].view(p.local_shape)
 
     def free_unsharded(self) -> None:
+        if self.extension_gather is not None:
+            self.extension_gather.free()
         lent = self.in_place is not None and self.in_place.lent
         if not self.gather_is_identity and not lent:
             self.unsharded_flat.untyped_storage().resize_(0)
 
     def alloc_unsharded(self) -> None:
-        if self.gather_is_identity:
-            return
+        if self.gather_is_identity or self.extension:
+            return  # an extension's unsharded tensors are its fsdp_post_all_gather's
         nbytes = self._unsharded_numel * self.unsharded_flat.element_size()
         if self.unsharded_flat.untyped_storage().nbytes() != nbytes:
             self.unsharded_flat.untyped_storage().resize_(nbytes)
@@ -204,11 +211,11 @@ class FlatBucket:
             for p, param, local in zip(self.params, current, locals_):
                 view = self.local_view(p)
                 if device.type != "meta":
+                    if p.wrapper is not None:
+                        local = p.wrapper.inner(local)
                     view.copy_(local.reshape(view.shape))
                 grad = param.grad
-                fresh = torch.nn.Parameter(
-                    p.to_dtensor(view), requires_grad=param.requires_grad
-                )
+                fresh = p.new_sharded(view, param.requires_grad)
                 # Swap rather than ``.data =``: a DTensor keeps its local tensor in a Python
                 # attribute that ``.data`` would not update; the object stays the same.
                 torch.utils.swap_tensors(param, fresh)
@@ -229,6 +236,9 @@ class FlatBucket:
         if self.shard_numel == 0 or self.gather_is_identity:
             return
         comm = self.comm
+        if self.extension_gather is not None:
+            self.extension_gather.start(comm.shard_group, self.mp_policy)
+            return
         if partial_group is not None and self._partial is not None:
             source, group = self._partial, partial_group
         else:
@@ -269,6 +279,9 @@ class FlatBucket:
         if self._gather_issue is not None:
             wait_future(self._gather_issue, f"all-gather of {self.name}")
             self._gather_issue = None
+        if self.extension_gather is not None:
+            self.extension_gather.finish(self.compute_dtype)
+            return
         self.alloc_unsharded()
         if self.shard_numel > 0:
             assert self._pending_gather is not None, "fsdp2 internal error: no all-gather issued"
@@ -316,7 +329,8 @@ class FlatBucket:
 
     def reshard(self) -> None:
         # Never free memory a collective still writes (or a deferred one will).
-        if self._pending_gather is not None or self._gather_issue is not None:
+        ext = self.extension_gather
+        if self._pending_gather is not None or self._gather_issue is not None or (ext is not None and ext.in_flight):
             self.finish_all_gather()
         self._partial = None
         self.kept.clear()
@@ -324,7 +338,11 @@ class FlatBucket:
 
     def reshard_partial(self, factor: int, index: int) -> None:
         """Keep only the ranks ``[index*W/factor, (index+1)*W/factor)`` of the gathered
-        rows, so the backward all-gather runs over ``factor`` ranks only."""
+        rows, so the backward all-gather runs over ``factor`` ranks only. (All-gather
+        extensions gather whole: their buckets reshard fully.)"""
+        if self.extension:
+            self.reshard()
+            return
         world = self.comm.shard_size
         rows = world // factor
         keep = torch.empty(rows * self.shard_numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
@@ -350,6 +368,8 @@ class FlatBucket:
             self._drop_gather()
 
     def _drop_gather(self) -> None:
+        if self.extension_gather is not None:
+            self.extension_gather.drop()
         if self._gather_issue is not None:
             try:
                 wait_future(self._gather_issue, f"all-gather of {self.name}")

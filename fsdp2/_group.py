@@ -91,15 +91,16 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.buckets: list[FlatBucket] = []
         self._bucket_of: dict[int, FlatBucket] = {}
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        by_dtype: dict[tuple[torch.dtype, bool], list[int]] = {}
         for i, p in enumerate(params):
-            by_dtype.setdefault(p.dtype, []).append(i)
-        for dtype, idx in by_dtype.items():
+            by_dtype.setdefault((p.dtype, p.extension), []).append(i)
+        for (dtype, _), idx in by_dtype.items():
             compute = mp_policy.param_dtype if (mp_policy.param_dtype and dtype.is_floating_point) else dtype
             reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and dtype.is_floating_point) else compute
             bucket = FlatBucket(
                 [params[i] for i in idx], [originals[i] for i in idx], comm, device, compute, reduce
             )
+            bucket.mp_policy = mp_policy
             # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
             floating = dtype.is_floating_point
             bucket.follows_dtype = (

@@ -62,6 +62,7 @@ class InPlace:
         world = bucket.comm.shard_size
         return (
             world > 1
+            and not bucket.extension  # gathered through the subclass's own hooks
             and world >= IN_PLACE_MIN_WORLD
             and bucket.sharded_flat.device.type == "cpu"  # the copy-out runs on gloo's thread
             and bucket.comm.on_gloo

@@ -358,6 +358,8 @@ def _plan_group(
             continue
         if id(p) in seen:
             return None  # listed twice (torch only warns): one alias could not stand for both
+        if fp.extension:
+            return None  # a subclass (all-gather extension): its own ops, on the DTensor path
         seen.add(id(p))
         local = p._local_tensor
         grad = p.grad

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._extension import SubclassWrapper, has_extension
 from ._layout import ShardLayout
 from ._mesh import MeshInfo, SpmdDims
 
@@ -69,9 +70,17 @@ class FSDPParam:
         self.dtype = param.dtype
         self.tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         local_shape = param.shape
+        local = param
         if isinstance(param, DTensor):
             self.tp = (param.device_mesh, tuple(param.placements))
             local_shape = param._local_tensor.shape
+            local = param._local_tensor
+        # A subclass that customizes its all-gather (``_extension``) keeps its class.
+        self.wrapper: SubclassWrapper | None = None
+        if has_extension(local):
+            _check_extension_param(fqn, param, dim)
+            self.wrapper = SubclassWrapper(local, fqn)
+        self.extension = self.wrapper is not None
         self.layout = ShardLayout(local_shape, dim, info.shard_size, info.shard_rank)
         # Read on the hot path (deposit, reduce, commit): plain attributes.
         self.is_replicated = self.layout.is_replicated
@@ -114,12 +123,21 @@ class FSDPParam:
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the parameter's value ``full``: its own local tensor (a TP
         DTensor's local tensor), or the global value (split for TP first, locally)."""
+        if self.wrapper is not None:
+            full = self.wrapper.inner(full)
         if self.tp is not None:
             if isinstance(full, DTensor):
                 full = full.to_local()
             elif full.shape == self.shape:
                 full = distribute_tensor(full, self.tp[0], self.tp[1], src_data_rank=None).to_local()
         return self.layout.local_chunk(full)
+
+    def new_sharded(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """The sharded ``nn.Parameter`` over ``local`` (a view of the bucket's flat buffer),
+        as the subclass the parameter was when it has an all-gather extension."""
+        if self.wrapper is not None:
+            local = self.wrapper.wrap(local)
+        return nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard of this parameter as a DTensor of the full shape."""
@@ -278,6 +296,20 @@ def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) ->
     out._spec = spec
     out._local_tensor = local
     return out
+
+
+def _check_extension_param(fqn: str, param: torch.Tensor, dim: int) -> None:
+    what = (
+        "a tensor-parallel DTensor" if isinstance(param, DTensor)
+        else "sharded on dim {dim}" if dim != 0
+        else "0-dim" if param.dim() == 0
+        else None
+    )
+    if what is not None:
+        raise NotImplementedError(
+            f"parameter {fqn} customizes its all-gather (fsdp_pre_all_gather) and is {what.format(dim=dim)}; "
+            "fsdp2 supports the all-gather extension on plain parameters sharded on dim 0"
+        )
 
 
 def _spmd_placements(

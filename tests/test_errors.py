@@ -64,6 +64,13 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     check("mp_int", lambda: fsdp2.MixedPrecisionPolicy(param_dtype=torch.int32), ValueError, "floating-point")
     check("placement", lambda: fsdp2.fully_shard(lin, shard_placement_fn=lambda p: torch.distributed.tensor.Replicate()), ValueError, "may return None or Shard(dim)")
     check("placement_dim", lambda: fsdp2.fully_shard(lin, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(-3)), ValueError, "must lie in [-2, 1]")
+    import _subclass
+
+    sub = nn.Linear(4, 4)
+    sub.weight = nn.Parameter(_subclass.Doubled(sub.weight.detach()))
+    check("extension_dim", lambda: fsdp2.fully_shard(sub, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(p.dim() - 1)), NotImplementedError, "is sharded on dim 1; fsdp2 supports the all-gather extension")
+
+    out["extension_untouched"] = "ok" if type(sub) is nn.Linear else "changed"
     # Nothing above changed the module.
     out["untouched"] = "ok" if lin.weight is before and type(lin) is nn.Linear else "changed"
 

@@ -1,0 +1,181 @@
+"""The all-gather extension of tensor subclasses (torch's ``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather`` protocol, used e.g. by torchao's float8 weights).
+
+A parameter whose local tensor defines both methods keeps its class when sharded: its
+shard is the subclass rebuilt (``__tensor_unflatten__``) around its block of the
+bucket's sharded flat buffer, so optimizer steps and checkpoints see the subclass and
+the bucket still owns the storage and reduces the (plain) gradients as usual. Its
+gather is the subclass's: ``fsdp_pre_all_gather`` on the padded shard gives the tensors
+to send (any dtypes, e.g. float8 data and a scale); every parameter's inputs of one
+bucket travel in one all-gather, as bytes; ``fsdp_post_all_gather`` builds the
+unsharded tensor from the gathered outputs (once, then refills it with ``out=``). Such
+parameters sit in buckets of their own, shard on dim 0 and are gathered whole (an
+integer ``reshard_after_forward`` frees them like ``True``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._collectives import Pending, all_gather_flat, traced, wait_pending
+
+if TYPE_CHECKING:
+    from ._bucket import FlatBucket
+    from ._param import FSDPParam
+
+
+def has_extension(local: torch.Tensor) -> bool:
+    """``local`` customizes its all-gather (both hooks, or an error naming the missing one)."""
+    pre, post = hasattr(local, "fsdp_pre_all_gather"), hasattr(local, "fsdp_post_all_gather")
+    if pre != post:
+        raise ValueError(
+            f"{type(local).__name__} defines only fsdp_{'pre' if pre else 'post'}_all_gather; an all-gather "
+            "extension needs both fsdp_pre_all_gather and fsdp_post_all_gather"
+        )
+    return pre
+
+
+class SubclassWrapper:
+    """Rebuilds a one-inner-tensor subclass around another tensor (``__tensor_flatten__``)."""
+
+    def __init__(self, local: torch.Tensor, fqn: str) -> None:
+        flatten = getattr(local, "__tensor_flatten__", None)
+        names, ctx = flatten() if flatten is not None else ([], None)
+        if len(names) != 1:
+            raise NotImplementedError(
+                f"parameter {fqn} is a {type(local).__name__} with an all-gather extension; fsdp2 shards such "
+                "subclasses when they wrap exactly one tensor (__tensor_flatten__ giving one inner name), "
+                f"this one gives {names}"
+            )
+        self.cls, self.name, self.ctx = type(local), names[0], ctx
+
+    def inner(self, t: torch.Tensor) -> torch.Tensor:
+        return getattr(t, self.name) if isinstance(t, self.cls) else t
+
+    def wrap(self, plain: torch.Tensor) -> torch.Tensor:
+        return self.cls.__tensor_unflatten__({self.name: plain}, self.ctx, plain.shape, plain.stride())
+
+
+class ExtensionGather:
+    """The gather of one bucket of extension parameters."""
+
+    def __init__(self, bucket: FlatBucket) -> None:
+        self.bucket = bucket
+        self.outputs: list[list[torch.Tensor]] = [[] for _ in bucket.params]  # per parameter, kept
+        self.inners: list[tuple[torch.Tensor, ...]] = [() for _ in bucket.params]  # post's, to free
+        self.built = [False for _ in bucket.params]  # post_all_gather ran: refill with out=
+        self._pending: Pending | None = None
+        self._sent: list[tuple[list[torch.Tensor], Any]] = []
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def start(self, group: Any, mp_policy: Any) -> None:
+        b = self.bucket
+        self._sent = [self._pre(p, mp_policy) for p in b.params]
+        flat_inputs = [t.reshape(-1).view(torch.uint8) for inputs, _ in self._sent for t in inputs]
+        numel = sum(t.numel() for t in flat_inputs)
+        world = b.comm.shard_size
+        send = b.comm.pool.acquire(numel, torch.uint8, b.sharded_flat.device)
+        recv = b.comm.pool.acquire(world * numel, torch.uint8, b.sharded_flat.device)
+        if flat_inputs:
+            with traced("fsdp2::copy_in"):
+                torch.cat(flat_inputs, out=send)
+        self._buffers = (send, recv)
+        self._pending = all_gather_flat(send, recv, group, label=f"all-gather of {b.name}")
+
+    def _pre(self, p: FSDPParam, mp_policy: Any) -> tuple[list[torch.Tensor], Any]:
+        b = self.bucket
+        padded = b.sharded_flat[p.offset : p.offset + p.shard_numel].view(p.layout.chunk, *p.local_shape[1:])
+        local = p.wrapper.wrap(padded)  # type: ignore[union-attr]
+        hook = local.fsdp_pre_all_gather
+        n_args = len(inspect.signature(hook).parameters)
+        if n_args == 1:
+            inputs, meta = hook(_shard_mesh(b))
+        elif n_args == 5:
+            inputs, meta = hook(_shard_mesh(b), p.shape, p.stride, p.owners[0][0], mp_policy)
+        else:
+            raise TypeError(
+                f"{type(local).__name__}.fsdp_pre_all_gather{inspect.signature(hook)}: expected (mesh) or "
+                "(mesh, outer_size, outer_stride, module, mp_policy)"
+            )
+        inputs = list(inputs)
+        for t in inputs:
+            if t.shape[0] != p.layout.chunk:
+                raise ValueError(
+                    f"{type(local).__name__}.fsdp_pre_all_gather for {p.fqn} returned an input of shape "
+                    f"{tuple(t.shape)}; each input must keep the padded shard's {p.layout.chunk} rows on dim 0"
+                )
+        return inputs, meta
+
+    def finish(self, param_dtype: torch.dtype | None) -> None:
+        """Wait, lay each input's gathered rows out per parameter, and (re)build the
+        unsharded tensors through ``fsdp_post_all_gather``."""
+        assert self._pending is not None and self._buffers is not None, "fsdp2 internal error: no gather"
+        b = self.bucket
+        world = b.comm.shard_size
+        gathered = wait_pending(self._pending).view(world, -1)
+        col = 0
+        with traced("fsdp2::copy_out"):
+            for i, (inputs, _) in enumerate(self._sent):
+                if not self.outputs[i]:
+                    self.outputs[i] = [t.new_empty((world * t.shape[0], *t.shape[1:])) for t in inputs]
+                for t, out in zip(inputs, self.outputs[i]):
+                    nbytes = t.numel() * t.element_size()
+                    _realloc(out)
+                    out.view(world, -1).view(torch.uint8).copy_(gathered[:, col : col + nbytes])
+                    col += nbytes
+        for buf in self._buffers:
+            b.comm.pool.release(buf)
+        self._buffers, self._pending = None, None
+        for i, (p, (_, meta)) in enumerate(zip(b.params, self._sent)):
+            self._post(i, p, meta, param_dtype or p.dtype)
+        self._sent = []
+
+    def _post(self, i: int, p: FSDPParam, meta: Any, dtype: torch.dtype) -> None:
+        local = p.sharded._local_tensor  # type: ignore[union-attr]
+        outputs = tuple(self.outputs[i])
+        if self.built[i]:
+            for t in self.inners[i]:
+                _realloc(t)
+            with torch.no_grad():
+                local.fsdp_post_all_gather(outputs, meta, dtype, out=p.unsharded)
+            return
+        value, inners = local.fsdp_post_all_gather(outputs, meta, dtype)
+        self.inners[i] = tuple(inners)
+        p.set_unsharded(torch.as_strided(value, p.shape, p.stride, 0))
+        self.built[i] = True
+
+    def free(self) -> None:
+        """Reshard: the gathered outputs and the unsharded tensors' storage go."""
+        for outs, inners in zip(self.outputs, self.inners):
+            for t in (*outs, *inners):
+                t.untyped_storage().resize_(0)
+
+    def drop(self) -> None:
+        """After an exception: wait for a gather in flight and give its buffers back."""
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None:
+                wait_pending(pending)
+        finally:
+            for buf in self._buffers or ():
+                self.bucket.comm.pool.release(buf)
+            self._buffers, self._sent = None, []
+
+
+def _shard_mesh(bucket: FlatBucket) -> Any:
+    mesh = bucket.comm.mesh
+    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+
+
+def _realloc(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    if storage.nbytes() < nbytes + t.storage_offset() * t.element_size():
+        storage.resize_(nbytes + t.storage_offset() * t.element_size())

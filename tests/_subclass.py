@@ -1,0 +1,85 @@
+"""A tensor subclass that customizes its FSDP all-gather, as torchao's float8 weights do.
+
+``Doubled`` wraps one tensor; every op runs on the inner tensor, and the structural ops
+FSDP applies to a parameter (views, slices, copies, ``new_zeros``) keep the wrapper.
+Its all-gather sends two inputs of different dtypes: the inner values doubled (float64)
+and an int64 tag of the same shape; ``fsdp_post_all_gather`` checks the tags and halves the values,
+so training is exact (float64 parity holds) and a gather that skipped the hooks would
+show. ``calls`` counts the hook calls; ``OldSignature`` uses the older one-argument
+``fsdp_pre_all_gather(mesh)`` (which cannot know the padded size: even shards only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+aten = torch.ops.aten
+_KEEP = {
+    aten.detach.default, aten.view.default, aten._unsafe_view.default, aten.alias.default,
+    aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.narrow.default,
+    aten.as_strided.default, aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
+    aten.empty_like.default, aten.zeros_like.default, aten.clone.default, aten._to_copy.default,
+    aten.copy_.default, aten.t.default, aten.reshape.default,
+}
+calls = {"pre": 0, "post": 0, "post_out": 0}
+
+
+class Doubled(torch.Tensor):
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Doubled:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
+            dtype=inner.dtype, device=inner.device, requires_grad=inner.requires_grad,
+        )
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self._inner = inner
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._inner!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_inner"], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> Doubled:
+        return cls(inner["_inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*tree_map_only(cls, lambda t: t._inner, args), **tree_map_only(cls, lambda t: t._inner, kwargs or {}))
+        if func in _KEEP:
+            return tree_map_only(torch.Tensor, cls, out)
+        return out
+
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        calls["pre"] += 1
+        inner = self._inner
+        padded = -(-outer_size[0] // mesh.size())  # inputs must have the padded shard's rows
+        if inner.shape[0] < padded:
+            inner = torch.cat([inner, inner.new_zeros(padded - inner.shape[0], *inner.shape[1:])])
+        return (inner * 2, torch.full(inner.shape, 7, dtype=torch.int64, device=inner.device)), "meta"
+
+    def fsdp_post_all_gather(
+        self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        doubled, tags = outputs
+        assert metadata == "meta" and bool((tags == 7).all()), (metadata, tags)
+        if out is not None:
+            calls["post_out"] += 1
+            out.data.copy_((doubled / 2)[: out.shape[0]])  # out: the unpadded parameter
+            return None
+        calls["post"] += 1
+        value = (doubled / 2).to(param_dtype)
+        return value, (value,)
+
+
+class OldSignature(Doubled):
+    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], Any]:  # type: ignore[override]
+        calls["pre"] += 1
+        return (self._inner * 2, torch.full(self._inner.shape, 7, dtype=torch.int64, device=self._inner.device)), "meta"
