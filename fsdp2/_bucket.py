@@ -237,7 +237,7 @@ class FlatBucket:
             return
         comm = self.comm
         if self.extension_gather is not None:
-            self.extension_gather.start(comm.shard_group, self.mp_policy)
+            self.extension_gather.start(comm.shard_group, self.mp_policy, self.custom_all_gather)
             return
         if partial_group is not None and self._partial is not None:
             source, group = self._partial, partial_group

@@ -69,25 +69,32 @@ class ExtensionGather:
         self.built = [False for _ in bucket.params]  # post_all_gather ran: refill with out=
         self._pending: Pending | None = None
         self._sent: list[tuple[list[torch.Tensor], Any]] = []
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._buffers: tuple[torch.Tensor, torch.Tensor | None] | None = None  # pooled (send, recv)
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def start(self, group: Any, mp_policy: Any) -> None:
+    def start(self, group: Any, mp_policy: Any, custom: Any = None) -> None:
+        """Issue the gather; through ``custom`` (``set_custom_all_gather``) if given."""
         b = self.bucket
         self._sent = [self._pre(p, mp_policy) for p in b.params]
         flat_inputs = [t.reshape(-1).view(torch.uint8) for inputs, _ in self._sent for t in inputs]
         numel = sum(t.numel() for t in flat_inputs)
-        world = b.comm.shard_size
-        send = b.comm.pool.acquire(numel, torch.uint8, b.sharded_flat.device)
-        recv = b.comm.pool.acquire(world * numel, torch.uint8, b.sharded_flat.device)
+        world, device = b.comm.shard_size, b.sharded_flat.device
+        send = b.comm.pool.acquire(numel, torch.uint8, device)
         if flat_inputs:
             with traced("fsdp2::copy_in"):
                 torch.cat(flat_inputs, out=send)
+        label = f"all-gather of {b.name}"
+        if custom is not None and world > 1:
+            recv = custom.allocate((world * numel,), dtype=torch.uint8, device=device)
+            self._buffers = (send, None)
+            self._pending = Pending(custom(recv, send, group, async_op=True), recv, label)
+            return
+        recv = b.comm.pool.acquire(world * numel, torch.uint8, device)
         self._buffers = (send, recv)
-        self._pending = all_gather_flat(send, recv, group, label=f"all-gather of {b.name}")
+        self._pending = all_gather_flat(send, recv, group, label=label)
 
     def _pre(self, p: FSDPParam, mp_policy: Any) -> tuple[list[torch.Tensor], Any]:
         b = self.bucket
@@ -106,7 +113,7 @@ class ExtensionGather:
             )
         inputs = list(inputs)
         for t in inputs:
-            if t.shape[0] != p.layout.chunk:
+            if t.dim() == 0 or t.shape[0] != p.layout.chunk:
                 raise ValueError(
                     f"{type(local).__name__}.fsdp_pre_all_gather for {p.fqn} returned an input of shape "
                     f"{tuple(t.shape)}; each input must keep the padded shard's {p.layout.chunk} rows on dim 0"
@@ -131,7 +138,8 @@ class ExtensionGather:
                     out.view(world, -1).view(torch.uint8).copy_(gathered[:, col : col + nbytes])
                     col += nbytes
         for buf in self._buffers:
-            b.comm.pool.release(buf)
+            if buf is not None:
+                b.comm.pool.release(buf)
         self._buffers, self._pending = None, None
         for i, (p, (_, meta)) in enumerate(zip(b.params, self._sent)):
             self._post(i, p, meta, param_dtype or p.dtype)
@@ -165,7 +173,8 @@ class ExtensionGather:
                 wait_pending(pending)
         finally:
             for buf in self._buffers or ():
-                self.bucket.comm.pool.release(buf)
+                if buf is not None:
+                    self.bucket.comm.pool.release(buf)
             self._buffers, self._sent = None, []
 
 

@@ -230,8 +230,8 @@ class ParamGroup:
         group has been converted (``to_empty`` reaches the modules of a list one by one)."""
         self.reshard()
         self._checked_flats = []
-        current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
-        if len({(t.device, t.dtype if t.is_floating_point() else None) for t in current}) > 1:
+        current = [[p.owners[0][0]._parameters[p.owners[0][1]] for p in b.params] for b in self.buckets]
+        if len({t.device for ts in current for t in ts}) > 1 or any(len({t.dtype for t in ts}) > 1 for ts in current):
             return  # another module's _apply will finish the conversion
         for b in self.buckets:
             b.rebind()

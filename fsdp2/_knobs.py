@@ -24,13 +24,14 @@ class CommKnobs:
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduce_output)`` on this module's reduced gradients: after the
         reduce-scatter (1D mesh) or after the all-reduce over the replicas (HSDP), before
-        the gradients are divided and written to ``.grad``. ``reduce_output`` is this
-        rank's reduced row in the reduce dtype, modified in place by the hook (e.g. an
-        all-reduce over another process group): the sharded gradients, then one "used"
-        flag per parameter (above zero: some rank produced a gradient), then the
-        gradients of 0-dim parameters. A sum-like hook keeps the flags meaningful.
-        ``stream``: accepted on accelerators without native HSDP (fsdp2 runs the hook
-        on the current stream); must be None on CPU. Set it before training starts."""
+        they are written to ``.grad``. ``reduce_output`` is this rank's reduced row in the
+        reduce dtype, modified in place by the hook (e.g. an all-reduce over another
+        process group): the sharded gradients, then those of 0-dim parameters. It holds
+        sums: fsdp2 divides afterwards (torch's NCCL path may average first; a linear
+        hook gives the same result either way). With a hook, parameters no rank used get
+        zero gradients (as with torch) rather than None. ``stream``: accepted on
+        accelerators without native HSDP (fsdp2 runs the hook on the current stream);
+        must be None on CPU. Set it before training starts."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
         group = self._fsdp2_state.group

@@ -149,9 +149,9 @@ class _GroupSwap:
 
 # id(optimizer) -> (weak ref to it, what its unfinished fast-path step swapped, the
 # thread stepping it). Each entry is one optimizer's own: only that optimizer's next
-# step or state_dict, or a forward of a model it steps on the same thread (the step
-# raised, see ``repair_owned``), restores it.
-_ACTIVE: dict[int, tuple[weakref.ref, list[_GroupSwap], int]] = {}
+# step, state_dict or load, or a forward of a model it steps (on the stepping thread,
+# or once that thread is gone: the step raised, see ``repair_owned``), restores it.
+_ACTIVE: dict[int, tuple[weakref.ref, list[_GroupSwap], threading.Thread]] = {}
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # optimizers with our state_dict repair hooks
 # optimizer -> {id(param group): its plan from the last step, all flat} (module doc)
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -185,7 +185,7 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, manage
         optimizer.register_state_dict_pre_hook(repair)
         optimizer.register_load_state_dict_pre_hook(_before_load)
     state = optimizer.state
-    _ACTIVE[id(optimizer)] = (weakref.ref(optimizer), swaps, threading.get_ident())  # first: repairable from here on
+    _ACTIVE[id(optimizer)] = (weakref.ref(optimizer), swaps, threading.current_thread())  # first: repairable from here on
     for swap in swaps:
         swap.group["params"] = swap.swapped_list
         for s in swap.entries:
@@ -212,9 +212,6 @@ def repair(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _undo(optimizer: torch.optim.Optimizer) -> list[_GroupSwap] | None:
-    entry = _ACTIVE.get(id(optimizer))
-    if entry is not None and entry[2] != threading.get_ident() and entry[0]() is optimizer:
-        return None  # stepping on another thread right now: its own post-step restores it
     entry = _ACTIVE.pop(id(optimizer), None)
     if entry is not None and entry[0]() is optimizer:
         _restore(optimizer, entry[1])
@@ -231,11 +228,11 @@ def repair_owned(groups: list[Any]) -> None:
     """At a root's forward: undo the unfinished swaps (a step that raised) of optimizers
     stepping parameters of ``groups`` on this thread. A step in flight on another
     thread (threaded process groups) and the optimizers of other models are left alone."""
-    me = threading.get_ident()
+    me = threading.current_thread()
     mine = {id(g) for g in groups}
     for key, (ref, swaps, thread) in list(_ACTIVE.items()):
-        if thread != me or not any(id(fp.group()) in mine for fp in _swapped_params(swaps)):
-            continue
+        if (thread is not me and thread.is_alive()) or not any(id(fp.group()) in mine for fp in _swapped_params(swaps)):
+            continue  # a step in flight on another thread, or another model's optimizer
         _ACTIVE.pop(key, None)
         opt = ref()
         if opt is not None:

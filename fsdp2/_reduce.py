@@ -1,8 +1,8 @@
 """The gradients of one bucket: deposit, reduce, stage.
 
 Reduce input (``W x N``, reduce dtype, pooled): the gradients that require grad laid out
-like the shards (each rank's block in its row), then one "used" flag per reduced
-parameter, then the gradients of replicated scalars. Summed over the shard ranks, row
+like the shards (each rank's block in its row), then the gradients of replicated
+scalars, then one "used" flag per reduced parameter. Summed over the shard ranks, row
 ``r`` is rank ``r``'s result; a flag above zero means some rank produced a gradient, so
 unused parameters keep ``grad=None`` exactly as in local training, and every rank
 reduces the same bytes. With HSDP the row is then all-reduced over the replicas.
@@ -34,15 +34,20 @@ class ReduceLayout(NamedTuple):
     scalars: list[FSDPParam]  # reduced replicated scalars
     offsets: list[int]  # column offset of each entry of ``params``
     grad_numel: int  # columns holding sharded gradients
-    numel: int  # columns per rank in all: gradients, flags, scalars
+    numel: int  # columns per rank in all: gradients, scalars, flags
     # This rank's padding columns (past a shard's real elements): never written by a
     # deposit, zeroed in the result so a flat optimizer step keeps the padding at zero.
     padding: list[tuple[int, int]]
 
     @property
     def scalar_base(self) -> int:
-        """First column of the scalars' gradients (after the flags)."""
-        return self.grad_numel + len(self.params) + len(self.scalars)
+        """First column of the scalars' gradients (right after the sharded gradients)."""
+        return self.grad_numel
+
+    @property
+    def flags_base(self) -> int:
+        """First column of the "used" flags (after the scalars)."""
+        return self.grad_numel + len(self.scalars)
 
 
 # This rank's reduced gradients, ready for ``commit``: (layout, gradients, used flags,
@@ -198,8 +203,11 @@ class BucketReduce:
             for i, p in enumerate(layout.scalars):
                 if not self.deposited[p.rs_index]:
                     buf[:, layout.scalar_base + i].zero_()
-            flags = torch.tensor(self.deposited, dtype=buf.dtype).to(buf.device)
-            buf[:, layout.grad_numel : layout.scalar_base].copy_(flags)
+            # With a user hook every parameter counts as used (zero gradients, as torch
+            # gives): the hook may combine gradients over ranks the flags know nothing of.
+            used = [True] * len(self.deposited) if self.hook is not None else self.deposited
+            flags = torch.tensor(used, dtype=buf.dtype).to(buf.device)
+            buf[:, layout.flags_base : layout.numel].copy_(flags)
         label = f"reduce-scatter of {self.bucket.name}"
         if self.custom is not None and comm.shard_size > 1:
             out = self.custom.allocate((layout.numel,), dtype=buf.dtype, device=buf.device)
@@ -243,7 +251,7 @@ class BucketReduce:
         if layout.scalars and self._scalars_in_row_0():
             # Replicated scalars are bitwise equal on every rank in row 0 only (after an
             # all-reduce; after an all-to-all every rank's own row has them, summed alike).
-            result[layout.scalar_base :].copy_(self.input2d()[0, layout.scalar_base : layout.numel])
+            result[layout.scalar_base : layout.flags_base].copy_(self.input2d()[0, layout.scalar_base : layout.flags_base])
         if b.comm.is_hsdp:
             summed = self._sum_replicas(result, layout)
             if summed is None:
@@ -251,12 +259,12 @@ class BucketReduce:
                 return None
             result = summed
         if self.hook is not None:
-            self.hook(result[: layout.numel])
+            self.hook(result[: layout.flags_base])
         with traced("fsdp2::grad_copy"):
             grads = result[: layout.grad_numel].to(b.dtype, copy=True)
             # Kept as a tensor: reading it (a device sync on GPUs) waits for commit_grads.
-            used = result[layout.grad_numel : layout.scalar_base].clone()
-            scalar_vals = result[layout.scalar_base : layout.numel].to(b.dtype, copy=True)
+            used = result[layout.flags_base : layout.numel].clone()
+            scalar_vals = result[layout.scalar_base : layout.flags_base].to(b.dtype, copy=True)
             staged = stage(layout, grads, used, scalar_vals, self.divide_factor)
         self.release_buffers()
         return staged

@@ -345,7 +345,7 @@ def _validate_modules(module: Any) -> list[nn.Module]:
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per module, "
                 "bottom-up (blocks first, then the root)"
             )
-        if type(m).forward is nn.Module.forward:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 f"fully_shard got a {type(m).__name__}, a container without forward: fsdp2 gathers a "
                 "module's parameters when its forward runs, and this one never runs. Apply fully_shard "

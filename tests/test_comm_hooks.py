@@ -103,12 +103,26 @@ def _hook_run(lib: Any, rank: int, world: int, mesh: Any) -> dict[str, Any]:
     return {"worst": _worst(hooked, doubled), "calls": len(seen), "dtypes": sorted({str(d) for d in seen})}
 
 
+def _zeroing_hook(lib: Any, rank: int, world: int) -> list[Any]:
+    """A hook that zeroes everything (e.g. skipping a step on overflow): every gradient
+    is zero, none is None (torch's behavior; fsdp2 would otherwise read its "used"
+    flags)."""
+    torch.manual_seed(0)
+    model = ToyModel(scalar_gate=False).double()
+    lib.fully_shard(model)
+    model.set_all_reduce_hook(lambda t: t.zero_())
+    ids, targets = batch(0, 2 * world)
+    loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    return [None if p.grad is None else float(p.grad.to_local().abs().sum()) for p in model.parameters()]
+
+
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     for lib_name in LIBS:
         lib = impl(lib_name)
         res: dict[str, Any] = {"hook_1d": _hook_run(lib, rank, world, None), "hook_hsdp": _hook_run(lib, rank, world, hsdp)}
+        res["zeroing"] = _zeroing_hook(lib, rank, world)
         plain = _train(lib, rank, world)
         gather, scatter = Gather(), ReduceScatter()
 
@@ -142,3 +156,9 @@ def test_custom_collectives_are_used_and_train_as_the_default(lib_name: str) -> 
         res = out[lib_name]["custom"]
         assert res["worst"] <= 1e-12, res
         assert res["gathers"] > 0 and res["scatters"] == 2 * 4, res  # a reduce per group per step
+
+
+@pytest.mark.parametrize("lib_name", LIBS)
+def test_a_zeroing_hook_gives_zero_gradients(lib_name: str) -> None:
+    for out in _spawned():
+        assert out[lib_name]["zeroing"] and all(g == 0.0 for g in out[lib_name]["zeroing"]), out[lib_name]["zeroing"]

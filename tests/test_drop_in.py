@@ -96,6 +96,42 @@ def _reassigned(lib: Any) -> dict[str, Any]:
     }
 
 
+def _no_forward(lib: Any) -> dict[str, Any]:
+    """A module used only through a registered method (no forward) is accepted."""
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def encode(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    enc = Encoder()
+    want = enc.proj(torch.ones(2, 4)).detach()
+    lib.fully_shard(enc)
+    lib.register_fsdp_forward_method(enc, "encode")
+    return {"same": torch.allclose(enc.encode(torch.ones(2, 4)).detach(), want)}
+
+
+def _reassigned_mixed_dtypes(lib: Any) -> dict[str, Any]:
+    """A group with two dtypes (an unused float16 parameter beside float32 ones): a
+    parameter reassigned before the first forward is adopted all the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model.register_parameter("extra", nn.Parameter(torch.zeros(2, dtype=torch.float16)))
+    lib.fully_shard(model[0])
+    lib.fully_shard(model)
+    old = model[1].weight
+    value = torch.full((4, 4), 0.5)
+    model[1].weight = nn.Parameter(distribute_tensor(value, old.device_mesh, old.placements))
+    x = torch.ones(2, 4)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    want = (x @ full["0.weight"].T + full["0.bias"]) @ value.T + full["1.bias"]
+    return {"forward_uses_it": torch.allclose(model(x).detach(), want)}
+
+
 def _int_reshard(lib: Any, rank: int, world: int) -> dict[str, Any]:
     out = {}
     for value in (1, world):
@@ -121,6 +157,13 @@ def _int_reshard(lib: Any, rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _or_error(fn: Any, lib: Any) -> Any:
+    try:
+        return fn(lib)
+    except AssertionError as e:
+        return f"AssertionError: {e}"
+
+
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for lib_name in LIBS:
@@ -130,6 +173,8 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
             "slicing": _slicing(lib),
             "to_keeps_policy": _to_keeps_policy(lib),
             "reassigned": _reassigned(lib),
+            "reassigned_mixed_dtypes": _or_error(_reassigned_mixed_dtypes, lib),
+            "no_forward": _no_forward(lib),
             "int_reshard": _int_reshard(lib, rank, world),
         }
     return results
@@ -172,3 +217,16 @@ def test_int_reshard_after_forward_of_one_or_the_shard_size(lib_name: str) -> No
     for out in _spawned():
         for value, worst in out[lib_name]["int_reshard"].items():
             assert worst <= 1e-12, (value, worst)
+
+
+@pytest.mark.parametrize("lib_name", LIBS)
+def test_module_without_forward_used_through_a_registered_method(lib_name: str) -> None:
+    for out in _spawned():
+        assert out[lib_name]["no_forward"] == {"same": True}
+
+
+def test_reassigned_in_a_group_of_two_dtypes_beyond_torch() -> None:
+    """fsdp2 groups parameters of several dtypes (a bucket each); torch refuses them."""
+    for out in _spawned():
+        assert out["fsdp2"]["reassigned_mixed_dtypes"] == {"forward_uses_it": True}
+        assert "uniform original parameter dtype" in str(out["torch"]["reassigned_mixed_dtypes"])

@@ -25,7 +25,23 @@ CASES = {
     "reshard_false": dict(cls="Doubled", hidden=8, raf=False),
     # param_dtype float32 (passed to the hooks) against float64 local training
     "mixed_precision": dict(cls="Doubled", hidden=7, mp=True, tol=1e-5),
+    # set_custom_all_gather: the extension's inputs travel through the user's collective
+    "custom_all_gather": dict(cls="Doubled", hidden=8, custom=True),
 }
+
+
+class Gather:
+    """torch's AllGather protocol over ``all_gather_into_tensor``, noting output sizes."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+        self.sizes.append(output_tensor.numel() * output_tensor.element_size())
+        return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class Net(nn.Module):
@@ -54,6 +70,10 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     for layer in (model.fc1, model.fc2):
         lib.fully_shard(layer, reshard_after_forward=cfg.get("raf", True), mp_policy=mp)
     lib.fully_shard(model, mp_policy=mp)
+    gather = Gather()
+    if cfg.get("custom"):
+        for layer in (model.fc1, model.fc2):
+            layer.set_custom_all_gather(gather)
     kept_class = all(type(layer.weight.to_local()) is cls for layer in (model.fc1, model.fc2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
@@ -71,6 +91,8 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
         "worst": worst,
         "kept_class": kept_class and all(type(layer.weight.to_local()) is cls for layer in (model.fc1, model.fc2)),
         "calls": dict(_subclass.calls),
+        # bytes through the custom collective per call: the weights' inputs included
+        "custom_bytes": max(gather.sizes, default=0),
     }
 
 
@@ -96,3 +118,5 @@ def test_subclass_all_gather_extension(lib_name: str, case: str) -> None:
         assert res["kept_class"], res
         calls = res["calls"]
         assert calls["pre"] >= 3 * 2 and calls["post"] + calls["post_out"] == calls["pre"], res
+        if CASES[case].get("custom"):
+            assert res["custom_bytes"] >= 2 * 8 * 6 * 16, res  # fc1's values (f64) and tags (i64), 2 ranks
