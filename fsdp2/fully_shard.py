@@ -456,12 +456,7 @@ def _validate_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:
             f"parameter {fqn} is a DTensor on a {p.device_mesh.device_type} mesh but fully_shard got a "
             f"{mesh.device_type} mesh; build both from one init_device_mesh"
         )
-    bad = [pl for pl in p.placements if not isinstance(pl, (Shard, Replicate))]
-    if bad:
-        raise ValueError(
-            f"parameter {fqn} has placements {tuple(p.placements)}; fully_shard composes with tensor "
-            "parallel parameters placed with Shard or Replicate only"
-        )
+    _check_placement_kinds(p, fqn)
     overlap = set(_mesh_ranks(p.device_mesh)) & set(_mesh_ranks(mesh))
     if overlap != {dist.get_rank()} and mesh.device_type != "meta":
         raise ValueError(
@@ -470,6 +465,14 @@ def _validate_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:
             "the data-parallel dims (mesh['dp']) to fully_shard, or, for parameters already on the "
             "whole mesh, pass that mesh and name its data-parallel dims: fully_shard(module, mesh=mesh, "
             "dp_mesh_dims=DataParallelMeshDims(shard='dp'))"
+        )
+
+
+def _check_placement_kinds(p: DTensor, fqn: str) -> None:
+    if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
+        raise ValueError(
+            f"parameter {fqn} has placements {tuple(p.placements)}; fully_shard composes with DTensor "
+            "parameters placed with Shard or Replicate only"
         )
 
 
@@ -528,12 +531,7 @@ def _validate_spmd_params(params: list[torch.Tensor], fqns: dict, spmd: SpmdDims
                     f"fully_shard(dp_mesh_dims=...): parameter {fqn} has placements {tuple(p.placements)}; "
                     f"expected Replicate() on the data-parallel dim {names[i]!r} (fully_shard shards it)"
                 )
-        bad = [pl for pl in p.placements if not isinstance(pl, (Shard, Replicate))]
-        if bad:
-            raise ValueError(
-                f"parameter {fqn} has placements {tuple(p.placements)}; fully_shard composes with DTensor "
-                "parameters placed with Shard or Replicate only"
-            )
+        _check_placement_kinds(p, fqn)
 
 
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:

@@ -50,7 +50,7 @@ class ReduceScatter:
         return None
 
 
-def _train(lib: Any, rank: int, world: int, setup: Any = None, mesh: Any = None) -> dict[str, torch.Tensor]:
+def _train(lib: Any, rank: int, world: int, setup: Any = None, mesh: Any = None, lr: float = 0.1) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = ToyModel(scalar_gate=False).double()
     kwargs = {} if mesh is None else {"mesh": mesh}
@@ -59,7 +59,7 @@ def _train(lib: Any, rank: int, world: int, setup: Any = None, mesh: Any = None)
     lib.fully_shard(model, **kwargs)
     if setup is not None:
         setup(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(2):
         ids, targets = batch(step, 2 * world)
         loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
@@ -85,21 +85,7 @@ def _hook_run(lib: Any, rank: int, world: int, mesh: Any) -> dict[str, Any]:
             m.set_all_reduce_hook(double)
 
     hooked = _train(lib, rank, world, setup, mesh)
-    torch.manual_seed(0)
-    plain_model = ToyModel(scalar_gate=False).double()
-    doubled = {}
-    # Training with the doubled gradients is training with lr 0.2 (plain SGD).
-    kwargs = {} if mesh is None else {"mesh": mesh}
-    for block in plain_model.blocks:
-        lib.fully_shard(block, **kwargs)
-    lib.fully_shard(plain_model, **kwargs)
-    opt = torch.optim.SGD(plain_model.parameters(), lr=0.2)
-    for step in range(2):
-        ids, targets = batch(step, 2 * world)
-        loss_fn(plain_model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
-        opt.step()
-        opt.zero_grad()
-    doubled = full_params(plain_model)
+    doubled = _train(lib, rank, world, mesh=mesh, lr=0.2)  # doubled gradients = twice the lr (plain SGD)
     return {"worst": _worst(hooked, doubled), "calls": len(seen), "dtypes": sorted({str(d) for d in seen})}
 
 
