@@ -34,9 +34,14 @@ class FSDPState:
             module.register_forward_hook(self._post_forward_hook, prepend=False, always_call=True),
         ]
 
+    # The hooks run eagerly also inside a compiled module (``block.compile()``, then
+    # fully_shard): their collectives and bookkeeping are not traceable, and the
+    # module's own forward compiles as one graph between them.
+    @torch.compiler.disable
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return self.pre_forward(args, kwargs)
 
+    @torch.compiler.disable
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if output is None and sys.exc_info()[1] is not None:
             self.on_forward_exception()  # ``always_call``: forward raised
@@ -328,6 +333,7 @@ def _refuse_torch_pipeline_stage() -> None:
 _TORCH_STAGE_FILE = os.path.join("torch", "distributed", "pipelining", "stage.py")
 
 
+@torch.compiler.disable
 def _regather_root(ctx_ref: weakref.ref, module: nn.Module, args: Any) -> None:
     ctx = ctx_ref()
     if ctx is not None:
