@@ -83,13 +83,18 @@ def _run(cfg: dict[str, Any], lib: Any) -> dict[str, Any]:
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    return {"worst": _checked_worst(model, ref), "counts": counts, "placements": placements}
+
+
+def _checked_worst(model: torch.nn.Module, ref: torch.nn.Module) -> float:
+    """The largest difference of the trained parameters from the reference's (asserted
+    within tolerance, NaN included)."""
     got, want = full_params(model), full_params(ref)
     assert list(got) == list(want)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
-    worst = max((got[n] - want[n]).abs().max().item() for n in want)
-    assert all(isinstance(p, DTensor) for p in model.parameters())
-    return {"worst": worst, "counts": counts, "placements": placements}
+    return max((got[n] - want[n]).abs().max().item() for n in want)
 
 
 # fully_shard(mesh=full mesh, dp_mesh_dims=...): parameters are DTensors on the whole
@@ -175,12 +180,7 @@ def _run_spmd(cfg: dict[str, Any], lib: Any) -> dict[str, Any]:
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    got, want = full_params(model), full_params(ref)
-    assert list(got) == list(want)
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
-    worst = max((got[n] - want[n]).abs().max().item() for n in want)
-    return {"worst": worst, "counts": counts, "placements": placements}
+    return {"worst": _checked_worst(model, ref), "counts": counts, "placements": placements}
 
 
 def _accumulate(lib: Any) -> dict[str, Any]:
