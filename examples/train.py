@@ -10,6 +10,9 @@ CPU + gloo by default; GPUs + NCCL when CUDA is available (one GPU per rank).
 Each block is its own fsdp2 group, plus the root (embeddings, final norm, output).
 ``--impl torch`` runs the same script on torch's fully_shard, for comparison.
 
+``--compile`` compiles each block (inductor) before ``fully_shard``, after its
+activation checkpointing wrapper (torchtitan's order).
+
 ``--ac full`` wraps each block in ``checkpoint_wrapper`` before ``fully_shard`` (as
 torchtitan does), ``--ac selective`` also saves the matmuls' outputs and recomputes the
 rest. ``--pp N`` splits the blocks into pipeline stages on a (pp N, dp world/N) mesh,
@@ -84,6 +87,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--meta-init", action="store_true", help="build on the meta device, shard, then materialize")
     p.add_argument("--impl", choices=["fsdp2", "torch"], default="fsdp2")
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="activation checkpointing")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (inductor) before fully_shard")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (divides the world size)")
     p.add_argument("--pp-schedule", choices=["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"], default="1F1B")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (divide --batch-size)")
@@ -255,6 +259,14 @@ def checkpoint_blocks(model: Transformer, mode: str) -> None:
         model.layers[i] = checkpoint_wrapper(layer, **kwargs)
 
 
+def compile_blocks(model: Transformer, enabled: bool) -> None:
+    """``--compile``: compile each block (after its activation checkpointing wrapper, before
+    fully_shard, as torchtitan does); fsdp2's hooks run eagerly around each block's graph."""
+    if enabled:
+        for layer in model.layers:
+            layer.compile()
+
+
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -340,6 +352,7 @@ def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, d
     if tp_mesh is not None:
         parallelize_tp(model, tp_mesh)  # before the checkpoint wrappers change the module paths
     checkpoint_blocks(model, args.ac)
+    compile_blocks(model, args.compile)
     for layer in model.layers:
         lib.fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
     lib.fully_shard(model, mesh=dp_mesh, mp_policy=mp)
@@ -368,6 +381,7 @@ def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any
     with torch.device("meta"):  # each rank materializes its own stages only
         model = Transformer(margs)
     checkpoint_blocks(model, args.ac)
+    compile_blocks(model, args.compile)
     per_rank = 2 if args.pp_schedule in LOOPED else 1
     count, pp_rank = args.pp * per_rank, mesh["pp"].get_local_rank()
     mine = [pp_rank, count - 1 - pp_rank] if args.pp_schedule in V_SHAPED else [pp_rank + k * args.pp for k in range(per_rank)]
@@ -440,7 +454,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"{args.impl}: {n_params / 1e6:.2f}M parameters on rank 0, world size {world}, pp {args.pp}, "
-              f"tp {args.tp}, hsdp {args.hsdp}, ac {args.ac}, device {device.type}", flush=True)
+              f"tp {args.tp}, hsdp {args.hsdp}, ac {args.ac}, compile {args.compile}, device {device.type}", flush=True)
     # Tokens a step trains on, all data-parallel ranks together (a tp group shares its batch).
     step_tokens = args.batch_size * args.seq_len * world // (args.pp * args.tp)
     start_step = 0

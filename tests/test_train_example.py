@@ -63,8 +63,8 @@ def _losses(log: str) -> dict[tuple[int, int], float]:
 
 
 def test_checkpointing_and_pipeline_flags_train_like_the_plain_run() -> None:
-    """``--ac full``, ``--ac selective`` and ``--pp 2`` (4 ranks: pp 2 x dp 2, two
-    schedules) print the plain run's losses: same data per data-parallel rank, same
+    """``--ac full``, ``--ac selective``, ``--pp 2`` (4 ranks: pp 2 x dp 2, two
+    schedules) and ``--compile --ac full`` print the plain run's losses: same data per data-parallel rank, same
     initial weights, the same training."""
     steps = ["--steps", "3", "--layers", "4"]
     plain = _losses(_torchrun(*steps))
@@ -77,11 +77,15 @@ def test_checkpointing_and_pipeline_flags_train_like_the_plain_run() -> None:
             *steps, "--pp", "2", "--microbatches", "2", "--pp-schedule", "ZBVZeroBubble", "--ac", "full", nproc=4
         ),
     }
+    # Per-block compile with activation checkpointing (torchtitan's order): inductor's
+    # float32 kernels round differently from eager ones, so the printed losses agree to
+    # a few units of their last digit.
+    runs["compile, ac full"] = _torchrun(*steps, "--compile", "--ac", "full")
     for name, log in runs.items():
         got = _losses(log)
         assert got.keys() == plain.keys(), (name, got)
         for key, loss in plain.items():
-            assert abs(got[key] - loss) < 1e-5, (name, key, got[key], loss)
+            assert abs(got[key] - loss) < (5e-4 if "compile" in name else 1e-5), (name, key, got[key], loss)
 
 
 def test_tensor_parallel_and_hsdp_train_like_the_plain_run(tmp_path) -> None:  # noqa: ANN001
