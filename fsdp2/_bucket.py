@@ -138,16 +138,19 @@ class FlatBucket:
         # accumulates by whatever path the module's computation took.
         for p, view in zip(self.params, self.unsharded_views):
             p.set_unsharded(view)
-        # One rank, no dtype change on the way in or out: the leaves alias the shards
-        # and ``commit_direct`` hands their gradients to the sharded parameters, as in
-        # local training: nothing to gather or reduce.
-        self.direct = (
-            self.gather_is_identity and self.reduce_dtype == self.dtype and not self.comm.is_hsdp and self.reduce.is_plain
-        )
+        self.update_direct()
         # How many references to the unsharded storage are our own (the tensors above);
         # any more means some tensor outside, e.g. one autograd saved, can still read it.
         self._own_storage_refs = _storage_refs(flat)
         self.free_unsharded()
+
+    def update_direct(self) -> None:
+        """One rank, no dtype change on the way in or out, no user hook or collective: the
+        leaves alias the shards and ``commit_direct`` hands their gradients to the sharded
+        parameters, as in local training: nothing to gather or reduce."""
+        self.direct = (
+            self.gather_is_identity and self.reduce_dtype == self.dtype and not self.comm.is_hsdp and self.reduce.is_plain
+        )
 
     def _unsharded_view(self, flat: torch.Tensor, p: FSDPParam) -> torch.Tensor:
         if p.is_replicated:

@@ -42,7 +42,7 @@ class CommKnobs:
                 raise ValueError("set_all_reduce_hook(stream=...): streams exist on accelerators only; pass None on CPU")
         for b in group.buckets:
             b.reduce.hook = hook
-            b.direct = False  # one rank without a dtype change: reduce (a copy) all the same
+            b.update_direct()  # one rank without a dtype change: reduce (a copy) all the same
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """All-gather this module's parameters with ``comm`` (torch's ``AllGather``
@@ -63,7 +63,7 @@ class CommKnobs:
         _check_comm("set_custom_reduce_scatter", comm)
         for b in self._fsdp2_state.group.buckets:
             b.reduce.custom = comm
-            b.direct = False
+            b.update_direct()
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """fsdp2 always reduces with ``ReduceOp.SUM`` and divides afterwards (no

@@ -301,13 +301,13 @@ def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) ->
 def _check_extension_param(fqn: str, param: torch.Tensor, dim: int) -> None:
     what = (
         "a tensor-parallel DTensor" if isinstance(param, DTensor)
-        else "sharded on dim {dim}" if dim != 0
+        else f"sharded on dim {dim}" if dim != 0
         else "0-dim" if param.dim() == 0
         else None
     )
     if what is not None:
         raise NotImplementedError(
-            f"parameter {fqn} customizes its all-gather (fsdp_pre_all_gather) and is {what.format(dim=dim)}; "
+            f"parameter {fqn} customizes its all-gather (fsdp_pre_all_gather) and is {what}; "
             "fsdp2 supports the all-gather extension on plain parameters sharded on dim 0"
         )
 
