@@ -15,6 +15,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ._tree import collect_tensors, map_tensors
 
@@ -90,6 +91,37 @@ def saved_tensor_hooks_active() -> bool:
 
 def _requires_grad(t: torch.Tensor) -> bool:
     return t.requires_grad
+
+
+def settle_async_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Wait for the inputs that are still collectives in flight and require grad (a
+    tensor-parallel output such as ``RowwiseParallel(output_layouts=Shard(1))``'s, which
+    hands the next block an ``AsyncCollectiveTensor``), keeping them in the autograd graph.
+
+    A compiled block given such an input returns no gradient through it: the gradient
+    reaches the collective's redistribute as a plain tensor and backward fails inside
+    DTensor (torch 2.13, plain tensor parallel alike). The block would wait for the input
+    at its first op anyway, so waiting here costs no overlap worth keeping.
+    """
+    if not any(isinstance(t, AsyncCollectiveTensor) for t in collect_tensors((args, kwargs), _requires_grad)):
+        return args, kwargs
+    return map_tensors(
+        (args, kwargs),
+        lambda t: _Settle.apply(t) if isinstance(t, AsyncCollectiveTensor) and t.requires_grad else t,
+    )
+
+
+class _Settle(torch.autograd.Function):
+    """Identity on values: an ``AsyncCollectiveTensor`` in, its waited plain tensor out."""
+
+    @staticmethod
+    def forward(ctx: Any, t: AsyncCollectiveTensor) -> torch.Tensor:  # type: ignore[override]
+        waited = t.trigger_wait()
+        return waited.view_as(waited)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def _node_freed(calls: BackwardCalls, count: list) -> None:

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from ._bucket import FlatBucket
 from ._mesh import MeshInfo
-from ._calls import BackwardCalls, saved_tensor_hooks_active
+from ._calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
 from ._param import FSDPParam
 from ._tree import cast_floating
 from .api import MixedPrecisionPolicy
@@ -278,6 +278,8 @@ class ParamGroup:
                 target.unshard()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = settle_async_inputs(args, kwargs)
         if self.direct or not torch.is_grad_enabled() or not any(b.reduce.has_reduced_params() for b in self.buckets):
             return args, kwargs
         if recompute:

@@ -99,7 +99,6 @@ def fully_shard(
     params = list(owners)
     if spmd is not None:
         _validate_spmd_params(params, fqns, spmd)
-    _refuse_compiled_tensor_parallel(modules, params)
     dims = _shard_dims(params, fqns, shard_placement_fn, mesh, spmd is None)
 
     device = mesh_device(mesh)
@@ -466,18 +465,6 @@ def _validate_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:
             "the data-parallel dims (mesh['dp']) to fully_shard, or, for parameters already on the "
             "whole mesh, pass that mesh and name its data-parallel dims: fully_shard(module, mesh=mesh, "
             "dp_mesh_dims=DataParallelMeshDims(shard='dp'))"
-        )
-
-
-def _refuse_compiled_tensor_parallel(modules: list[nn.Module], params: list[torch.Tensor]) -> None:
-    """Blocks compiled before fully_shard whose parameters are tensor-parallel DTensors fail
-    in backward inside DTensor (a redistribute receives a plain gradient); not supported yet."""
-    compiled = [type(m).__name__ for m in modules if m._compiled_call_impl is not None]
-    if compiled and any(isinstance(p, DTensor) for p in params):
-        raise NotImplementedError(
-            f"fully_shard got a compiled {compiled[0]} (module.compile()) with tensor-parallel (DTensor) "
-            "parameters; fsdp2 does not support per-block torch.compile over tensor parallel yet. Compile "
-            "without tensor parallel, or leave the blocks uncompiled"
         )
 
 

@@ -51,11 +51,6 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     check("dp_mesh_dims_placement", lambda: fsdp2.fully_shard(on_dp, mesh=spmd, dp_mesh_dims=dims(shard="sdp")), ValueError, "expected Replicate() on the data-parallel dim 'sdp'")
     check("dp_mesh_dims_other_mesh", lambda: fsdp2.fully_shard(on_dp, mesh=mesh3d, dp_mesh_dims=dims(shard="c")), ValueError, "not on the mesh passed to fully_shard")
     out["untouched_spmd"] = "ok" if type(on_dp) is nn.Linear else "changed"
-    tp_lin = nn.Linear(4, 4)
-    for name in ("weight", "bias"):
-        setattr(tp_lin, name, nn.Parameter(torch.distributed.tensor.distribute_tensor(getattr(tp_lin, name).detach(), spmd["stp"], [torch.distributed.tensor.Replicate()])))
-    tp_lin.compile()
-    check("compiled_tp", lambda: fsdp2.fully_shard(tp_lin, mesh=spmd["sdp"]), NotImplementedError, "per-block torch.compile over tensor parallel")
     check("mesh_2d_unnamed", lambda: fsdp2.fully_shard(lin, mesh=unnamed2d), ValueError, "without mesh_dim_names")
     check("raf_type", lambda: fsdp2.fully_shard(lin, reshard_after_forward="yes"), TypeError, "reshard_after_forward expects")
     check("raf_divisor", lambda: fsdp2.fully_shard(lin, reshard_after_forward=3), ValueError, "must divide the shard size")

@@ -34,6 +34,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tp_only": dict(mesh=(1, 4), names=("dp", "tp"), model=dict(heads=4), sp=False),
     # HSDP x TP: 2 replicas x 1 shard x tp 2.
     "hsdp_tp": dict(mesh=(2, 1, 2), names=("replicate", "shard", "tp")),
+    # Each block compiled before fully_shard (torchtitan's order). A block's input is the
+    # previous layer's tensor-parallel output, a collective still in flight; AOTAutograd
+    # (where its gradient went missing) is what matters, so no inductor: aot_eager.
+    "dp_tp_compiled_blocks": dict(mesh=(2, 2), names=("dp", "tp"), compile=True),
+    "tp_only_compiled_blocks": dict(mesh=(1, 4), names=("dp", "tp"), model=dict(heads=4), sp=False, compile=True),
 }
 
 
@@ -59,6 +64,12 @@ def _run(cfg: dict[str, Any], lib: Any) -> dict[str, Any]:
     dp_names = cfg["names"][:-1]
     dp_mesh = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
     parallelize(model, mesh["tp"], cfg.get("sp", True))
+    if cfg.get("compile"):
+        # A fresh cache: recompiling these blocks for another mesh in the same process
+        # fails inside AOTAutograd (RecursionError), with either library (torch 2.13).
+        torch._dynamo.reset()
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=cfg.get("raf", True))
     if cfg.get("placement"):
         kwargs["shard_placement_fn"] = _shard_1
@@ -265,15 +276,22 @@ def test_parity_with_local_training(name: str) -> None:
 
 
 TORCH_REFUSES = {"spmd_flattened_shard_raf_2": "NotImplementedError: reshard_after_forward as int"}
+# torch's fully_shard runs these but trains them wrongly (torch 2.13): the compiled
+# block's input gradient goes missing and only part of it reaches the embedding.
+TORCH_TRAINS_WRONGLY = {"dp_tp_compiled_blocks", "tp_only_compiled_blocks"}
 
 
 def test_torch_refuses_what_fsdp2_does_beyond_it() -> None:
     for theirs in _results("torch"):
         for name, fragment in TORCH_REFUSES.items():
             assert str(theirs[name]).startswith(fragment), theirs[name]
+        for name in TORCH_TRAINS_WRONGLY:
+            assert str(theirs[name]).startswith("AssertionError: emb.weight"), theirs[name]
 
 
-@pytest.mark.parametrize("name", [n for n in list(CONFIGS) + list(SPMD_CONFIGS) if n not in TORCH_REFUSES])
+@pytest.mark.parametrize(
+    "name", [n for n in list(CONFIGS) + list(SPMD_CONFIGS) if n not in TORCH_REFUSES and n not in TORCH_TRAINS_WRONGLY]
+)
 def test_placements_as_torch_and_no_more_collectives(name: str) -> None:
     for mine, theirs in zip(_results("fsdp2"), _results("torch")):
         assert isinstance(theirs[name], dict), theirs[name]  # the script itself is right
