@@ -6,6 +6,8 @@ Also the ``FSDPModule`` mixin that the swapped class gains, ``UnshardHandle`` an
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import sys
 import types
@@ -29,7 +31,7 @@ from ._mesh import MeshInfo, SpmdDims, mesh_device
 from ._param import FSDPParam, sharded_owner, unsharded_owner
 from ._state import FSDPState
 from ._state_dict import register_state_dict_hooks, validate_state_dict
-from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 # id(original parameter) -> (weak ref to it, its FQN, its module's class) for parameters fully_shard replaced:
 # an optimizer still holding one was created too early (checked at optimizer.step()).
@@ -93,7 +95,7 @@ def fully_shard(
         mesh, spmd = SpmdDims.split(mesh, _validate_dp_mesh_dims(dp_mesh_dims, mesh))
     _validate_mesh(mesh)
     reshard_after_forward = _reshard_after_forward_value(reshard_after_forward, mesh)
-    _validate_policies(mp_policy, offload_policy, mesh)
+    mp_policy, offload_policy = _validate_policies(mp_policy, offload_policy, mesh)
     ignored = _validate_ignored(ignored_params)
     owners, fqns = _collect_params(modules, ignored)
     params = list(owners)
@@ -404,13 +406,37 @@ def _reshard_after_forward_value(value: Any, mesh: DeviceMesh) -> bool | int | N
     return True if value == world else value
 
 
-def _validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> None:
+def _validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The policies as fsdp2's own classes: torch's equal dataclasses are taken over field by
+    field, so a script (or a library such as accelerate) that builds them from
+    ``torch.distributed.fsdp`` and calls fsdp2's ``fully_shard`` runs unchanged."""
+    mp_policy = _from_torch(mp_policy, (MixedPrecisionPolicy,))
+    offload_policy = _from_torch(offload_policy, (CPUOffloadPolicy, OffloadPolicy))
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy expects a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+        raise TypeError(f"mp_policy expects a MixedPrecisionPolicy, got {_qualname(mp_policy)}")
     if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy expects an OffloadPolicy, got {type(offload_policy).__name__}")
+        raise TypeError(f"offload_policy expects an OffloadPolicy or CPUOffloadPolicy, got {_qualname(offload_policy)}")
     if type(offload_policy) is not OffloadPolicy and mesh.device_type != "cpu":
         raise NotImplementedError("CPUOffloadPolicy on accelerator meshes is not implemented yet")
+    return mp_policy, offload_policy
+
+
+def _from_torch(policy: Any, ours: tuple[type, ...]) -> Any:
+    """fsdp2's class for a policy of torch's own class of the same name, same fields."""
+    if isinstance(policy, ours) or not dataclasses.is_dataclass(policy) or isinstance(policy, type):
+        return policy
+    if not type(policy).__module__.startswith("torch.distributed"):
+        return policy
+    for cls in ours:
+        if type(policy).__name__ == cls.__name__:
+            names = [f.name for f in dataclasses.fields(cls)]
+            if sorted(names) == sorted(f.name for f in dataclasses.fields(policy)):
+                return cls(**{n: getattr(policy, n) for n in names})
+    return policy
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _validate_ignored(ignored_params: Any) -> set[int]:
