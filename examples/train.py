@@ -259,12 +259,16 @@ def checkpoint_blocks(model: Transformer, mode: str) -> None:
         model.layers[i] = checkpoint_wrapper(layer, **kwargs)
 
 
-def compile_blocks(model: Transformer, enabled: bool) -> None:
+def compile_blocks(model: Transformer, enabled: bool, tensor_parallel: bool = False) -> None:
     """``--compile``: compile each block (after its activation checkpointing wrapper, before
-    fully_shard, as torchtitan does); fsdp2's hooks run eagerly around each block's graph."""
+    fully_shard, as torchtitan does); fsdp2's hooks run eagerly around each block's graph.
+    With tensor parallel the block inside the checkpoint wrapper is compiled instead:
+    compiling a checkpointed region of DTensor ops fails in AOTAutograd (torch 2.13, with
+    either fully_shard), while checkpointing a compiled block works."""
     if enabled:
         for layer in model.layers:
-            layer.compile()
+            inner = getattr(layer, "_checkpoint_wrapped_module", None)
+            (inner if tensor_parallel and inner is not None else layer).compile()
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -352,7 +356,7 @@ def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, d
     if tp_mesh is not None:
         parallelize_tp(model, tp_mesh)  # before the checkpoint wrappers change the module paths
     checkpoint_blocks(model, args.ac)
-    compile_blocks(model, args.compile)
+    compile_blocks(model, args.compile, tensor_parallel=tp_mesh is not None)
     for layer in model.layers:
         lib.fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
     lib.fully_shard(model, mesh=dp_mesh, mp_policy=mp)

@@ -7,6 +7,9 @@ so the parameters' gradients of the call are all in the leaves. ``BackwardCalls`
 counts those nodes (``pending``), and the calls whose gradients may come without one
 (``reduce_at_finalize``): the group's post-backward runs when the last node fires, or
 at the end of backward for the rest.
+
+``settle_async_inputs`` prepares a call's inputs before that: it waits for those that
+are collectives still in flight (see there).
 """
 
 from __future__ import annotations
@@ -101,23 +104,25 @@ def settle_async_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     A compiled block given such an input returns no gradient through it: the gradient
     reaches the collective's redistribute as a plain tensor and backward fails inside
     DTensor (torch 2.13, plain tensor parallel alike). The block would wait for the input
-    at its first op anyway, so waiting here costs no overlap worth keeping.
+    at its first op anyway, so waiting here (in eager mode too) costs no overlap worth
+    keeping. Only the direct inputs of a ``fully_shard`` module are settled.
     """
-    if not any(isinstance(t, AsyncCollectiveTensor) for t in collect_tensors((args, kwargs), _requires_grad)):
+    if not collect_tensors((args, kwargs), _async_requiring_grad):
         return args, kwargs
-    return map_tensors(
-        (args, kwargs),
-        lambda t: _Settle.apply(t) if isinstance(t, AsyncCollectiveTensor) and t.requires_grad else t,
-    )
+    return map_tensors((args, kwargs), lambda t: _Settle.apply(t) if _async_requiring_grad(t) else t)
+
+
+def _async_requiring_grad(t: torch.Tensor) -> bool:
+    return t.requires_grad and isinstance(t, AsyncCollectiveTensor)
 
 
 class _Settle(torch.autograd.Function):
-    """Identity on values: an ``AsyncCollectiveTensor`` in, its waited plain tensor out."""
+    """Identity on values: an ``AsyncCollectiveTensor`` in, its waited plain tensor out (a
+    new tensor, not a view made inside this node, so the block may modify it in place)."""
 
     @staticmethod
     def forward(ctx: Any, t: AsyncCollectiveTensor) -> torch.Tensor:  # type: ignore[override]
-        waited = t.trigger_wait()
-        return waited.view_as(waited)
+        return t.trigger_wait().detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,6 @@ Also the ``FSDPModule`` mixin that the swapped class gains, ``UnshardHandle`` an
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import sys
 import types
@@ -413,29 +412,42 @@ def _validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) ->
     mp_policy = _from_torch(mp_policy, (MixedPrecisionPolicy,))
     offload_policy = _from_torch(offload_policy, (CPUOffloadPolicy, OffloadPolicy))
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy expects a MixedPrecisionPolicy, got {_qualname(mp_policy)}")
+        raise TypeError(
+            f"mp_policy expects a MixedPrecisionPolicy, got {_described(mp_policy)}; pass e.g. "
+            "fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+        )
     if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy expects an OffloadPolicy or CPUOffloadPolicy, got {_qualname(offload_policy)}")
+        raise TypeError(
+            f"offload_policy expects an OffloadPolicy or CPUOffloadPolicy, got {_described(offload_policy)}; "
+            "pass fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy()"
+        )
     if type(offload_policy) is not OffloadPolicy and mesh.device_type != "cpu":
         raise NotImplementedError("CPUOffloadPolicy on accelerator meshes is not implemented yet")
     return mp_policy, offload_policy
 
 
 def _from_torch(policy: Any, ours: tuple[type, ...]) -> Any:
-    """fsdp2's class for a policy of torch's own class of the same name, same fields."""
-    if isinstance(policy, ours) or not dataclasses.is_dataclass(policy) or isinstance(policy, type):
+    """fsdp2's class for a policy of torch's own class of the same name and fields."""
+    if isinstance(policy, ours) or isinstance(policy, type) or not dataclasses.is_dataclass(policy):
         return policy
     if not type(policy).__module__.startswith("torch.distributed"):
         return policy
     for cls in ours:
         if type(policy).__name__ == cls.__name__:
-            names = [f.name for f in dataclasses.fields(cls)]
-            if sorted(names) == sorted(f.name for f in dataclasses.fields(policy)):
-                return cls(**{n: getattr(policy, n) for n in names})
+            names = {f.name for f in dataclasses.fields(cls) if f.init}
+            theirs = {f.name for f in dataclasses.fields(policy) if f.init}
+            if names != theirs:
+                raise TypeError(
+                    f"torch's {cls.__name__} has the fields {sorted(theirs)}, fsdp2's {sorted(names)}: this torch "
+                    f"is newer than fsdp2 knows; build fsdp2.{cls.__name__}(...) instead"
+                )
+            return cls(**{n: getattr(policy, n) for n in names})
     return policy
 
 
-def _qualname(obj: Any) -> str:
+def _described(obj: Any) -> str:
+    if isinstance(obj, type):
+        return f"the class {obj.__module__}.{obj.__qualname__} (call it: {obj.__qualname__}(...))"
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 

@@ -76,23 +76,20 @@ def _list_and_ignored_worker(rank: int, world: int) -> dict:
     # torch.distributed.fsdp, e.g. accelerate) are taken over as fsdp2's.
     import torch.distributed.fsdp as theirs
 
-    lin = nn.Linear(4, 4)
+    lin, plain = nn.Linear(4, 4), nn.Linear(4, 4)
     fsdp2.fully_shard(
         lin,
         mp_policy=theirs.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         offload_policy=theirs.CPUOffloadPolicy(pin_memory=False),
     )
+    fsdp2.fully_shard(plain, mp_policy=theirs.MixedPrecisionPolicy(), offload_policy=theirs.OffloadPolicy())
     policy = lin._fsdp2_state.group.mp_policy
-    try:
-        fsdp2.fully_shard(nn.Linear(4, 4), mp_policy=torch.bfloat16)
-        refused = ""
-    except TypeError as e:
-        refused = str(e)
     return {
         "torch_policy_taken": policy == fsdp2.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
         and type(policy) is fsdp2.MixedPrecisionPolicy,
         "torch_policy_used": lin(torch.randn(2, 4)).dtype == torch.bfloat16,
-        "bad_policy_named": refused == "mp_policy expects a MixedPrecisionPolicy, got torch.dtype",
+        "torch_default_policies_taken": type(plain._fsdp2_state.group.mp_policy) is fsdp2.MixedPrecisionPolicy
+        and plain(torch.randn(2, 4)).dtype == torch.float32,
         "list_returned": isinstance(out, list) and out[0] is model.blocks[0],
         "shared_group": model.blocks[0]._fsdp2_state.group is model.blocks[1]._fsdp2_state.group,
         "ignored_plain": type(model.extra.weight) is nn.Parameter and not isinstance(model.extra.weight, DTensor),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -19,6 +21,18 @@ def _expect(fn, exc: type[BaseException], fragment: str) -> str:  # noqa: ANN001
         assert fragment in str(e), f"{fragment!r} not in {e!s}"
         return "ok"
     raise AssertionError(f"expected {exc.__name__} containing {fragment!r}, nothing raised")
+
+
+@dataclasses.dataclass(frozen=True)
+class _NewerTorchPolicy:
+    """Stands for a later torch's MixedPrecisionPolicy with a field fsdp2 does not know."""
+
+    param_dtype: torch.dtype | None = None
+    stochastic_rounding: bool = False
+
+
+_NewerTorchPolicy.__name__ = _NewerTorchPolicy.__qualname__ = "MixedPrecisionPolicy"
+_NewerTorchPolicy.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_api"
 
 
 def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
@@ -58,7 +72,9 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     check("not_module", lambda: fsdp2.fully_shard([lin, "x"]), TypeError, "expects nn.Module")
     check("empty_list", lambda: fsdp2.fully_shard([]), ValueError, "non-empty list")
     check("module_twice", lambda: fsdp2.fully_shard([lin, lin]), ValueError, "same Linear twice")
-    check("mp_type", lambda: fsdp2.fully_shard(lin, mp_policy=torch.bfloat16), TypeError, "MixedPrecisionPolicy")
+    check("mp_type", lambda: fsdp2.fully_shard(lin, mp_policy=torch.bfloat16), TypeError, "MixedPrecisionPolicy, got torch.dtype; pass e.g.")
+    check("mp_class", lambda: fsdp2.fully_shard(lin, mp_policy=fsdp2.MixedPrecisionPolicy), TypeError, "(call it: MixedPrecisionPolicy(...))")
+    check("mp_newer_torch", lambda: fsdp2.fully_shard(lin, mp_policy=_NewerTorchPolicy()), TypeError, "this torch is newer than fsdp2 knows")
     check("offload_type", lambda: fsdp2.fully_shard(lin, offload_policy=True), TypeError, "OffloadPolicy")
     check("mp_dtype", lambda: fsdp2.MixedPrecisionPolicy(param_dtype="bf16"), TypeError, "torch.dtype")
     check("mp_int", lambda: fsdp2.MixedPrecisionPolicy(param_dtype=torch.int32), ValueError, "floating-point")
