@@ -2,7 +2,9 @@
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
 ``world_size`` spawned processes joined in one gloo process group, and returns the list
-of per-rank return values. An exception on any rank is re-raised in pytest with that
+of per-rank return values. ``run_scenarios(world_size, {name: (fn, args)})`` runs several
+such functions one after the other in one set of ranks (spawning costs more than most
+of them) and returns ``{name: per-rank values}``. An exception on any rank is re-raised in pytest with that
 rank's traceback; a rank that dies or hangs fails the call after ``timeout`` seconds.
 """
 
@@ -93,3 +95,21 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAUL
     if errors:
         raise RankError("\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def _scenarios(rank: int, world: int, scenarios: dict[str, tuple[Callable, tuple]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (fn, args) in scenarios.items():
+        try:
+            out[name] = fn(rank, world, *args)
+        except BaseException as e:
+            raise RuntimeError(f"scenario {name!r} failed on rank {rank} (the later ones did not run)") from e
+    return out
+
+
+def run_scenarios(
+    world_size: int, scenarios: dict[str, tuple[Callable, tuple]], timeout: float = DEFAULT_TIMEOUT
+) -> dict[str, list[Any]]:
+    """Each scenario's per-rank values, the scenarios run in order in the same ranks."""
+    per_rank = run_ranks(_scenarios, world_size, scenarios, timeout=timeout)
+    return {name: [values[name] for values in per_rank] for name in scenarios}

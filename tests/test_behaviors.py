@@ -1,17 +1,22 @@
 """Behaviours users rely on: eval, structured outputs, forward methods, explicit
-unshard, gradient accumulation knobs."""
+unshard, gradient accumulation knobs.
+
+The scenarios run one after the other in one set of ranks per world size (``_at``):
+spawning ranks costs more than most of them, and models built after one another in one
+process must not affect each other anyway."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
 
 import fsdp2
-from _dist import run_ranks
+from _dist import run_ranks, run_scenarios
 from _models import IN_PLACE_ENV, ToyModel, batch, full_params, loss_fn
 from fsdp2._group import ShardState, TrainingState
 
@@ -44,7 +49,7 @@ def _eval_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_eval_under_no_grad_leaves_no_state(world: int) -> None:
-    for out in run_ranks(_eval_worker, world):
+    for out in _at(world)["eval"]:
         assert all(out.values()), out
 
 
@@ -91,7 +96,7 @@ def _structured_worker(rank: int, world: int) -> float:
 
 
 def test_dataclass_and_dict_outputs_train() -> None:
-    assert max(run_ranks(_structured_worker, 2)) < 1e-12
+    assert max(_at(2)["structured"]) < 1e-12
 
 
 class Generator(nn.Module):
@@ -131,7 +136,7 @@ def _forward_method_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_register_fsdp_forward_method(world: int) -> None:
-    for out in run_ranks(_forward_method_worker, world):
+    for out in _at(world)["forward_method"]:
         assert all(out.values()), out
 
 
@@ -160,7 +165,7 @@ def _unshard_worker(rank: int, world: int) -> dict:
 
 
 def test_explicit_unshard_and_reshard() -> None:
-    for out in run_ranks(_unshard_worker, 2):
+    for out in _at(2)["unshard"]:
         assert all(out.values()), out
 
 
@@ -186,7 +191,7 @@ def _reshard_after_backward_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_reshard_after_backward_and_divide_factor(world: int) -> None:
-    for out in run_ranks(_reshard_after_backward_worker, world):
+    for out in _at(world)["reshard_after_backward"]:
         assert all(out.values()), out
 
 
@@ -220,7 +225,7 @@ def _checkpointing_worker(rank: int, world: int) -> float:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_activation_checkpointing_matches_local(world: int) -> None:
-    assert max(run_ranks(_checkpointing_worker, world)) < 1e-12
+    assert max(_at(world)["checkpointing"]) < 1e-12
 
 
 class ReentrantCheckpointed(ToyModel):
@@ -258,7 +263,7 @@ def _reentrant_and_list_meta_worker(rank: int, world: int) -> bool:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_reentrant_checkpointing_and_list_group_meta_init(world: int) -> None:
-    assert all(run_ranks(_reentrant_and_list_meta_worker, world))
+    assert all(_at(world)["reentrant_and_list_meta"])
 
 
 def _dropped_forward_worker(rank: int, world: int) -> list[int]:
@@ -271,7 +276,7 @@ def _dropped_forward_worker(rank: int, world: int) -> list[int]:
 
 
 def test_forward_without_backward_leaves_no_pending_gradients() -> None:
-    for counts in run_ranks(_dropped_forward_worker, 2):
+    for counts in _at(2)["dropped_forward"]:
         assert all(n == 0 for n in counts), counts
 
 
@@ -329,9 +334,9 @@ def test_one_rank_computes_on_leaf_aliases_of_the_shards() -> None:
     autograd accumulates their gradients itself (no node of ours in the graph); with a
     compute dtype the regular path runs: leaves over the gathered copy, and one node per
     block call (the root's input needs no grad). Both match local training."""
-    direct = run_ranks(_one_rank_worker, 1, None)[0]
+    direct = _at(1)["one_rank_direct"][0]
     assert direct["leaf_params"] and direct["our_nodes"] == 0 and direct["worst"] < 1e-12, direct
-    cast = run_ranks(_one_rank_worker, 1, torch.float32)[0]
+    cast = _at(1)["one_rank_cast"][0]
     assert cast["leaf_params"] and cast["our_nodes"] == 3 and cast["worst"] < 1e-5, cast
 
 
@@ -414,7 +419,7 @@ def _unused_branch_worker(rank: int, world: int) -> float:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_reduce_at_the_end_of_backward_waits_for_the_one_in_flight(world: int) -> None:
-    assert max(run_ranks(_unused_branch_worker, world)) < 1e-12
+    assert max(_at(world)["unused_branch"]) < 1e-12
 
 
 def _metrics_forward_worker(rank: int, world: int, blocks_reshard: bool | None) -> float:
@@ -442,4 +447,31 @@ def test_forward_after_an_optimizer_step_gathers_fresh_parameters(blocks_reshard
     """Groups still gathered from a forward that no backward followed (the root, the
     last block, ``reshard_after_forward=False``) are gathered afresh once the shards
     changed (here by the optimizer), not reused with the old values."""
-    assert max(run_ranks(_metrics_forward_worker, 2, blocks_reshard)) < 1e-12
+    assert max(_at(2)[f"metrics_forward_{blocks_reshard}"]) < 1e-12
+
+
+@functools.cache
+def _at(world: int) -> dict[str, list]:
+    """Every scenario of this file that runs at ``world`` ranks, in one spawn."""
+    both = {
+        "eval": (_eval_worker, ()),
+        "forward_method": (_forward_method_worker, ()),
+        "reshard_after_backward": (_reshard_after_backward_worker, ()),
+        "checkpointing": (_checkpointing_worker, ()),
+        "reentrant_and_list_meta": (_reentrant_and_list_meta_worker, ()),
+        "unused_branch": (_unused_branch_worker, ()),
+    }
+    if world == 1:
+        return run_scenarios(1, {
+            **both,
+            "one_rank_direct": (_one_rank_worker, (None,)),
+            "one_rank_cast": (_one_rank_worker, (torch.float32,)),
+        })
+    return run_scenarios(2, {
+        **both,
+        "structured": (_structured_worker, ()),
+        "unshard": (_unshard_worker, ()),
+        "dropped_forward": (_dropped_forward_worker, ()),
+        "metrics_forward_None": (_metrics_forward_worker, (None,)),
+        "metrics_forward_False": (_metrics_forward_worker, (False,)),
+    })

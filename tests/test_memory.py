@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.nn as nn
 
 import fsdp2
 from _comm import CommCounter
-from _dist import run_ranks
+from _dist import run_ranks, run_scenarios
 from _models import IN_PLACE_ENV, ToyModel, batch, loss_fn
 
 
@@ -56,7 +57,7 @@ def _root_freed_worker(rank: int, world: int) -> dict:
 
 
 def test_root_parameters_are_freed_once_the_head_backward_ran() -> None:
-    for out in run_ranks(_root_freed_worker, 2):
+    for out in _at2()["root_freed"]:
         # Every block's backward runs with the root's gathered parameters already freed,
         # without any extra all-gather (4 groups forward + 2 blocks again in backward:
         # the last block keeps its parameters for backward).
@@ -134,7 +135,7 @@ def _second_step_grads_worker(rank: int, world: int, model_cls: type, *args: obj
 
 def test_root_parameters_still_saved_for_backward_stay_gathered() -> None:
     for alias in (False, True):
-        assert all(run_ranks(_second_step_grads_worker, 2, EarlyRootUse, alias)), alias
+        assert all(_at2()[f"EarlyRootUse{alias}"]), alias
 
 
 class FrozenRootBetweenBlocks(ToyModel):
@@ -153,7 +154,7 @@ class FrozenRootBetweenBlocks(ToyModel):
 
 
 def test_frozen_root_parameters_saved_by_autograd_stay_gathered() -> None:
-    assert all(run_ranks(_second_step_grads_worker, 2, FrozenRootBetweenBlocks))
+    assert all(_at2()["FrozenRootBetweenBlocks"])
 
 
 class _HeldOnCtx(_DetachedScale):
@@ -226,9 +227,8 @@ def test_root_parameters_held_or_recomputed_outside_its_hooks_stay_readable() ->
     """Held on an autograd ``ctx``, used by a module called inside other groups' forwards,
     or recomputed by a checkpoint after the root was freed: gradients equal local
     training (a read of freed storage would raise or give garbage)."""
-    for model_cls, args in ((RootHeldOnCtx, ()), (RootModuleInBlocks, ()), (RootLayerCheckpointed, (False,)),
-                            (RootLayerCheckpointed, (True,))):
-        assert all(run_ranks(_second_step_grads_worker, 2, model_cls, *args)), model_cls
+    for name in HELD_OR_RECOMPUTED:
+        assert all(_at2()[name]), name
 
 
 class Mlp(nn.Module):
@@ -296,5 +296,24 @@ def _gathers_worker(rank: int, world: int, kind: str) -> dict:
 
 def test_freeing_early_never_adds_all_gathers() -> None:
     for kind in ("plain", "checkpoint", "twice"):
-        for out in run_ranks(_gathers_worker, 2, kind):
+        for out in _at2()[f"gathers_{kind}"]:
             assert out[True] == out[False], (kind, out)
+
+
+HELD_OR_RECOMPUTED = ("RootHeldOnCtx", "RootModuleInBlocks", "RootLayerCheckpointedFalse", "RootLayerCheckpointedTrue")
+
+
+@functools.cache
+def _at2() -> dict[str, list]:
+    """The scenarios at 2 ranks that need no environment, one after the other in one spawn."""
+    return run_scenarios(2, {
+        "root_freed": (_root_freed_worker, ()),
+        "EarlyRootUseFalse": (_second_step_grads_worker, (EarlyRootUse, False)),
+        "EarlyRootUseTrue": (_second_step_grads_worker, (EarlyRootUse, True)),
+        "FrozenRootBetweenBlocks": (_second_step_grads_worker, (FrozenRootBetweenBlocks,)),
+        "RootHeldOnCtx": (_second_step_grads_worker, (RootHeldOnCtx,)),
+        "RootModuleInBlocks": (_second_step_grads_worker, (RootModuleInBlocks,)),
+        "RootLayerCheckpointedFalse": (_second_step_grads_worker, (RootLayerCheckpointed, False)),
+        "RootLayerCheckpointedTrue": (_second_step_grads_worker, (RootLayerCheckpointed, True)),
+        **{f"gathers_{kind}": (_gathers_worker, (kind,)) for kind in ("plain", "checkpoint", "twice")},
+    })

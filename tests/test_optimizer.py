@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp2
-from _dist import run_ranks
+from _dist import run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
 from fsdp2 import _optim
 from fsdp2._param import sharded_owner as _managed_by
@@ -146,9 +146,8 @@ def _worker_all(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@functools.cache
 def _results(world: int) -> list[dict[str, Any]]:
-    return run_ranks(_worker_all, world)
+    return _at(world)["all"]
 
 
 CASES = [(w, n) for w in (1, 2) for n in OPTIMIZERS]
@@ -261,7 +260,7 @@ def _worker_fallbacks(rank: int, world: int) -> dict[str, int]:
 def test_fast_path_only_where_exact() -> None:
     """Subclasses, step hooks, closures, unmanaged DTensors, duplicates and state
     placeholders step on DTensors, and the results still match local training."""
-    out = run_ranks(_worker_fallbacks, 2)[0]
+    out = _at(2)["fallbacks"][0]
     assert out == dict(
         subclass=0,
         hooked=0,
@@ -330,7 +329,7 @@ def _worker_raise(rank: int, world: int, scalar_gate: bool) -> dict[str, Any]:
 
 @pytest.mark.parametrize("scalar_gate", [True, False], ids=["per_param_blocks", "all_flat"])
 def test_step_that_raises_leaves_nothing_swapped(scalar_gate: bool) -> None:
-    out = run_ranks(_worker_raise, 2, scalar_gate)[0]
+    out = _at(2)[f"raise_{scalar_gate}"][0]
     assert out == dict(
         raised="injected",
         aliases_left=True,
@@ -408,7 +407,7 @@ def _worker_threads(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_a_step_in_flight_on_another_thread_is_left_alone() -> None:
-    out = run_ranks(_worker_threads, 1)[0]
+    out = _at(1)["threads"][0]
     assert out == dict(
         raised_on_dead_thread_repaired=True, errors=[], swapped_during=True, restored=True, exact=True
     )
@@ -420,7 +419,7 @@ def _worker_disabled(rank: int, world: int) -> int:
 
 
 def test_disabled_steps_on_dtensors() -> None:
-    assert run_ranks(_worker_disabled, 2) == [0, 0]
+    assert _at(2)["disabled"] == [0, 0]
 
 
 def _worker_save(rank: int, world: int) -> bool:
@@ -453,7 +452,7 @@ def _worker_save(rank: int, world: int) -> bool:
 
 
 def test_state_dicts_save_and_resume_after_flat_steps() -> None:
-    assert run_ranks(_worker_save, 2) == [True, True]
+    assert _at(2)["save"] == [True, True]
 
 
 def _worker_rehome(rank: int, world: int) -> list[int]:
@@ -481,7 +480,7 @@ def test_moving_state_into_flat_buffers_frees_the_old_tensors_at_once() -> None:
     next entry moves: the transient is one bucket's entry, not the optimizer's state.
     (torch itself may still hold one old tensor, seen right after the DTensor-path
     step; while fsdp2 held them, every one of them stayed.)"""
-    alive = run_ranks(_worker_rehome, 1)[0]
+    alive = _at(1)["rehome"][0]
     assert len(alive) == 8 and sum(alive) <= 1, alive  # 4 buckets x (exp_avg, exp_avg_sq)
 
 
@@ -517,7 +516,7 @@ def test_a_kept_plan_is_dropped_when_what_it_relied_on_changes(world: int) -> No
     # 0: creates the state; 1: plans, kept; 2: reused; 3: a new gradient: plans afresh,
     # per parameter for that bucket, not kept; 4: plans, kept; 5: reused; 6: a step count
     # written: plans afresh.
-    for out in run_ranks(_reuse_worker, world):
+    for out in _at(world)["reuse"]:
         assert out["reused"] == [0, 0, 1, 0, 0, 1, 0], out
 
 
@@ -546,4 +545,20 @@ def _reset_worker(rank: int, world: int) -> int:
 
 
 def test_a_dropped_param_group_takes_its_kept_plan_and_state_along() -> None:
-    assert run_ranks(_reset_worker, 2) == [0, 0]
+    assert _at(2)["reset"] == [0, 0]
+
+
+@functools.cache
+def _at(world: int) -> dict[str, list]:
+    """Every scenario of this file at ``world`` ranks, one after the other in one spawn
+    (optimizers and models of one scenario must not affect the next one's anyway)."""
+    if world == 1:
+        return run_scenarios(1, {
+            "all": (_worker_all, ()), "threads": (_worker_threads, ()), "rehome": (_worker_rehome, ()),
+            "reuse": (_reuse_worker, ()),
+        })
+    return run_scenarios(2, {
+        "all": (_worker_all, ()), "fallbacks": (_worker_fallbacks, ()), "raise_True": (_worker_raise, (True,)),
+        "raise_False": (_worker_raise, (False,)), "disabled": (_worker_disabled, ()), "save": (_worker_save, ()),
+        "reuse": (_reuse_worker, ()), "reset": (_reset_worker, ()),
+    })

@@ -3,13 +3,15 @@ prefetching really issues all-gathers ahead of the compute that needs them."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
 
 import fsdp2
 from _comm import CommCounter
-from _dist import run_ranks
+from _dist import run_ranks, run_scenarios
 from _models import IN_PLACE_ENV, ToyModel, batch, loss_fn
 from fsdp2._group import ShardState
 
@@ -91,7 +93,7 @@ def _bytes_vs_torch_worker(rank: int, world: int) -> dict:
 
 
 def test_no_more_collectives_or_gather_bytes_than_torch() -> None:
-    out = run_ranks(_bytes_vs_torch_worker, 2)[0]
+    out = _at2()["bytes_vs_torch"][0]
     (ours_calls, ours_bytes), (torch_calls, torch_bytes) = out["fsdp2"], out["torch"]
     # One all-gather fewer: the last block keeps its parameters for backward.
     assert ours_calls == {"all_gather": torch_calls["all_gather"] - 1, "reduce": torch_calls["reduce"]}, out
@@ -139,7 +141,7 @@ def _prefetch_worker(rank: int, world: int, explicit: bool) -> dict:
 
 
 def test_implicit_prefetch_issues_ahead_and_bounds_memory() -> None:
-    for out in run_ranks(_prefetch_worker, 2, False):
+    for out in _at2()["prefetch_implicit"]:
         fwd = {i: (state, alive) for i, state, alive in out["forward"]}
         for i in range(3):
             assert fwd[i][0] in ("GATHERING", "UNSHARDED"), out  # block i+1 already issued
@@ -150,7 +152,7 @@ def test_implicit_prefetch_issues_ahead_and_bounds_memory() -> None:
 
 
 def test_explicit_prefetch_overrides_order() -> None:
-    for out in run_ranks(_prefetch_worker, 2, True):
+    for out in _at2()["prefetch_explicit"]:
         fwd = {i: state for i, state, _ in out["forward"]}
         assert fwd[0] in ("GATHERING", "UNSHARDED") and fwd[1] in ("GATHERING", "UNSHARDED"), out
         bwd = dict(out["backward"])
@@ -173,7 +175,7 @@ def _pool_worker(rank: int, world: int) -> dict:
 
 
 def test_steady_state_allocates_no_communication_buffers() -> None:
-    for out in run_ranks(_pool_worker, 2):
+    for out in _at2()["pool"]:
         counts = out["counts"]
         assert counts[1] == counts[2] == counts[3], counts
 
@@ -208,7 +210,7 @@ def _mixed_dtype_worker(rank: int, world: int) -> dict:
 
 
 def test_group_mixing_dtypes_runs_one_collective_per_dtype() -> None:
-    for out in run_ranks(_mixed_dtype_worker, 2):
+    for out in _at2()["mixed_dtype"]:
         assert out["dtypes"] == ["torch.bfloat16", "torch.float32"], out
         # forward all-gather per dtype (the root is kept for backward), reduce per dtype
         assert out["calls"] == {"all_gather": 2, "reduce": 2}, out
@@ -225,7 +227,7 @@ def _profiler_worker(rank: int, world: int) -> list[str]:
 
 
 def test_profiler_labels_tell_the_story() -> None:
-    names = run_ranks(_profiler_worker, 2)[0]
+    names = _at2()["profiler"][0]
     for label in ("fsdp2::all_gather", "fsdp2::reduce_scatter", "fsdp2::reduce_prepare",
                   "fsdp2::grad_copy", "fsdp2::wait"):
         assert label in names, names
@@ -253,9 +255,23 @@ def _kept_worker(rank: int, world: int) -> dict:
 def test_last_block_stays_gathered_for_backward_by_default() -> None:
     """With ``reshard_after_forward=None`` the last block to run forward keeps its
     parameters for its backward, which comes first: one all-gather fewer than torch's."""
-    for out in run_ranks(_kept_worker, 2):
+    for out in _at2()["kept"]:
         assert out["states"][0] == ["SHARDED"] * N_BLOCKS, out  # order not known yet
         assert out["states"][1] == ["SHARDED"] * (N_BLOCKS - 1) + ["UNSHARDED"], out
         # Forward: root and every block; backward: every block but the last.
         assert out["calls"] == [2 * N_BLOCKS + 1, 2 * N_BLOCKS], out
         assert out["after"] == ["SHARDED"] * N_BLOCKS, out  # freed after its backward
+
+
+@functools.cache
+def _at2() -> dict[str, list]:
+    """The scenarios at 2 ranks that need no environment, one after the other in one spawn."""
+    return run_scenarios(2, {
+        "bytes_vs_torch": (_bytes_vs_torch_worker, ()),
+        "prefetch_implicit": (_prefetch_worker, (False,)),
+        "prefetch_explicit": (_prefetch_worker, (True,)),
+        "pool": (_pool_worker, ()),
+        "mixed_dtype": (_mixed_dtype_worker, ()),
+        "profiler": (_profiler_worker, ()),
+        "kept": (_kept_worker, ()),
+    })
