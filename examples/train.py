@@ -386,6 +386,10 @@ def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any
         model = Transformer(margs)
     checkpoint_blocks(model, args.ac)
     compile_blocks(model, args.compile)
+    if args.compile and args.pp_schedule in SPLIT_BACKWARD:
+        # The split backward runs each compiled backward in two passes (retain_graph), so
+        # it may not donate its buffers to itself (torch refuses otherwise, either library).
+        torch._functorch.config.donated_buffer = False
     per_rank = 2 if args.pp_schedule in LOOPED else 1
     count, pp_rank = args.pp * per_rank, mesh["pp"].get_local_rank()
     mine = [pp_rank, count - 1 - pp_rank] if args.pp_schedule in V_SHAPED else [pp_rank + k * args.pp for k in range(per_rank)]
