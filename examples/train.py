@@ -64,7 +64,7 @@ from model import ModelArgs, Transformer, TransformerStage, init_weights  # noqa
 # Schedules with two stages per rank, and which of them place them as a V.
 LOOPED = {"Interleaved1F1B", "ZBVZeroBubble"}
 V_SHAPED = {"ZBVZeroBubble"}
-SPLIT_BACKWARD = {"ZBVZeroBubble"}  # input and weight gradients in two passes
+SPLIT_BACKWARD = {"ZBVZeroBubble"}  # input and weight gradients in two passes (add new such schedules here)
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int = 8) -> int:

@@ -10,6 +10,7 @@ rank's traceback; a rank that dies or hangs fails the call after ``timeout`` sec
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import queue
@@ -102,7 +103,7 @@ def _scenarios(rank: int, world: int, scenarios: dict[str, tuple[Callable, tuple
     for name, (fn, args) in scenarios.items():
         try:
             out[name] = fn(rank, world, *args)
-        except BaseException as e:
+        except Exception as e:
             raise RuntimeError(f"scenario {name!r} failed on rank {rank} (the later ones did not run)") from e
     return out
 
@@ -113,3 +114,23 @@ def run_scenarios(
     """Each scenario's per-rank values, the scenarios run in order in the same ranks."""
     per_rank = run_ranks(_scenarios, world_size, scenarios, timeout=timeout)
     return {name: [values[name] for values in per_rank] for name in scenarios}
+
+
+def cached_outcome(fn: Callable) -> Callable:
+    """``functools.cache`` that also keeps a raised exception: the tests sharing one run
+    of scenarios re-raise its failure instead of running (and maybe hanging) again."""
+    outcomes: dict[tuple, tuple[bool, Any]] = {}
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> Any:
+        if args not in outcomes:
+            try:
+                outcomes[args] = (True, fn(*args))
+            except Exception as e:  # noqa: BLE001 - re-raised to every caller
+                outcomes[args] = (False, e)
+        ok, value = outcomes[args]
+        if not ok:
+            raise value
+        return value
+
+    return wrapper

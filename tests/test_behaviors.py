@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 
 import pytest
 import torch
 import torch.nn as nn
 
 import fsdp2
-from _dist import run_ranks, run_scenarios
+from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import IN_PLACE_ENV, ToyModel, batch, full_params, loss_fn
 from fsdp2._group import ShardState, TrainingState
 
@@ -450,7 +449,7 @@ def test_forward_after_an_optimizer_step_gathers_fresh_parameters(blocks_reshard
     assert max(_at(2)[f"metrics_forward_{blocks_reshard}"]) < 1e-12
 
 
-@functools.cache
+@cached_outcome
 def _at(world: int) -> dict[str, list]:
     """Every scenario of this file that runs at ``world`` ranks, in one spawn."""
     both = {

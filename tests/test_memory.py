@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import functools
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import fsdp2
 from _comm import CommCounter
-from _dist import run_ranks, run_scenarios
+from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import IN_PLACE_ENV, ToyModel, batch, loss_fn
 
 
@@ -273,6 +273,8 @@ class Variants(nn.Module):
 
 
 def _gathers_worker(rank: int, world: int, kind: str) -> dict:
+    from unittest import mock
+
     from fsdp2._state import RootContext
 
     counts = {}
@@ -283,13 +285,13 @@ def _gathers_worker(rank: int, world: int, kind: str) -> dict:
             fsdp2.fully_shard(block.mlp)
             fsdp2.fully_shard(block)
         fsdp2.fully_shard(model)
-        if not early:
-            RootContext.free_unreferenced = lambda self, current: None  # type: ignore[method-assign]
         ids, targets = batch(0, 2 * world)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "twice"):
-            loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()  # warm-up
-            with CommCounter().active() as counter:
-                loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+        never_free = mock.patch.object(RootContext, "free_unreferenced", lambda self, current: None)
+        with never_free if not early else contextlib.nullcontext():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "twice"):
+                loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()  # warm-up
+                with CommCounter().active() as counter:
+                    loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
         counts[early] = counter.calls["all_gather"]
     return counts
 
@@ -303,7 +305,7 @@ def test_freeing_early_never_adds_all_gathers() -> None:
 HELD_OR_RECOMPUTED = ("RootHeldOnCtx", "RootModuleInBlocks", "RootLayerCheckpointedFalse", "RootLayerCheckpointedTrue")
 
 
-@functools.cache
+@cached_outcome
 def _at2() -> dict[str, list]:
     """The scenarios at 2 ranks that need no environment, one after the other in one spawn."""
     return run_scenarios(2, {

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp2
-from _dist import run_scenarios
+from _dist import cached_outcome, run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
 from fsdp2 import _optim
 from fsdp2._param import sharded_owner as _managed_by
@@ -548,7 +548,7 @@ def test_a_dropped_param_group_takes_its_kept_plan_and_state_along() -> None:
     assert _at(2)["reset"] == [0, 0]
 
 
-@functools.cache
+@cached_outcome
 def _at(world: int) -> dict[str, list]:
     """Every scenario of this file at ``world`` ranks, one after the other in one spawn
     (optimizers and models of one scenario must not affect the next one's anyway)."""

@@ -3,15 +3,13 @@ prefetching really issues all-gathers ahead of the compute that needs them."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn as nn
 
 import fsdp2
 from _comm import CommCounter
-from _dist import run_ranks, run_scenarios
+from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import IN_PLACE_ENV, ToyModel, batch, loss_fn
 from fsdp2._group import ShardState
 
@@ -165,19 +163,21 @@ def _pool_worker(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pool = _group(model).comm.pool
     ids, targets = batch(0, 2 * world)
-    counts = []
+    counts, held = [], []
     for _ in range(4):
         loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
         opt.step()
         opt.zero_grad()
         counts.append(pool.allocations)
-    return {"counts": counts}
+        held.append(len(pool._in_use))
+    return {"counts": counts, "held": held}
 
 
 def test_steady_state_allocates_no_communication_buffers() -> None:
     for out in _at2()["pool"]:
-        counts = out["counts"]
+        counts, held = out["counts"], out["held"]
         assert counts[1] == counts[2] == counts[3], counts
+        assert held[1] == held[2] == held[3], held  # nothing handed out and never given back
 
 
 class Adapted(nn.Module):
@@ -263,14 +263,14 @@ def test_last_block_stays_gathered_for_backward_by_default() -> None:
         assert out["after"] == ["SHARDED"] * N_BLOCKS, out  # freed after its backward
 
 
-@functools.cache
+@cached_outcome
 def _at2() -> dict[str, list]:
     """The scenarios at 2 ranks that need no environment, one after the other in one spawn."""
     return run_scenarios(2, {
+        "pool": (_pool_worker, ()),  # first: the process' buffer pool holds no idle buffers yet
         "bytes_vs_torch": (_bytes_vs_torch_worker, ()),
         "prefetch_implicit": (_prefetch_worker, (False,)),
         "prefetch_explicit": (_prefetch_worker, (True,)),
-        "pool": (_pool_worker, ()),
         "mixed_dtype": (_mixed_dtype_worker, ()),
         "profiler": (_profiler_worker, ()),
         "kept": (_kept_worker, ()),
