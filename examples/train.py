@@ -11,7 +11,8 @@ Each block is its own fsdp2 group, plus the root (embeddings, final norm, output
 ``--impl torch`` runs the same script on torch's fully_shard, for comparison.
 
 ``--compile`` compiles each block (inductor) before ``fully_shard``, after its
-activation checkpointing wrapper (torchtitan's order).
+activation checkpointing wrapper (torchtitan's order); with ``--tp`` the block inside the
+wrapper, and with a zero-bubble schedule without donated buffers (torch 2.13 needs both).
 
 ``--ac full`` wraps each block in ``checkpoint_wrapper`` before ``fully_shard`` (as
 torchtitan does), ``--ac selective`` also saves the matmuls' outputs and recomputes the
