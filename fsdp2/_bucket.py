@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._collectives import Pending, all_gather_flat, debug_enabled, issue_after, traced, wait_future, wait_pending
+from ._collectives import Pending, all_gather_flat, debug_enabled, traced, wait_future, wait_pending
 from ._commit import GradCommit
 from ._extension import ExtensionGather
 from ._in_place import InPlace
@@ -91,15 +91,23 @@ class FlatBucket:
 
     # ------------------------------------------------------------------ storage
     def _allocate_sharded(self, originals: list[torch.Tensor], device: torch.device) -> None:
-        total = self.shard_numel + len(self.scalars)
-        self.sharded_flat = torch.zeros(total, dtype=self.dtype, device=device)
+        self.sharded_flat = self._new_sharded_flat(self.dtype, device)
         with torch.no_grad():
             for p, orig in zip(self.params, originals):
-                local = self.local_view(p)
-                if device.type != "meta" and orig.device.type != "meta":
-                    local.copy_(p.local_chunk(orig.detach()))
+                if p.dispatched:
+                    local = p.dispatch_shard(orig.detach(), device)
+                else:
+                    local = self.local_view(p)
+                    if device.type != "meta" and orig.device.type != "meta":
+                        local.copy_(p.local_chunk(orig.detach()))
                 p.set_sharded(p.new_sharded(local, orig.requires_grad))
         self._allocate_unsharded()
+
+    def _new_sharded_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Room for every shard, or none when the shards hold their own storage (a bucket
+        of subclasses sharded through their own ops: ``FSDPParam.dispatched``)."""
+        own = all(p.dispatched for p in self.params)
+        return torch.zeros(0 if own else self.shard_numel + len(self.scalars), dtype=dtype, device=device)
 
     def _allocate_unsharded(self) -> None:
         world = self.comm.shard_size
@@ -209,14 +217,17 @@ class FlatBucket:
         if follow_reduce:
             self.reduce_dtype = dtype
         self.dtype = dtype
-        self.sharded_flat = torch.zeros(self.shard_numel + len(self.scalars), dtype=dtype, device=device)
+        self.sharded_flat = self._new_sharded_flat(dtype, device)
         with torch.no_grad():
             for p, param, local in zip(self.params, current, locals_):
-                view = self.local_view(p)
-                if device.type != "meta":
-                    if p.wrapper is not None:
-                        local = p.wrapper.inner(local)
-                    view.copy_(local.reshape(view.shape))
+                if p.dispatched:
+                    view = p.dispatch_shard(local, device)
+                else:
+                    view = self.local_view(p)
+                    if device.type != "meta":
+                        if p.wrapper is not None:
+                            local = p.wrapper.inner(local)
+                        view.copy_(local.reshape(view.shape))
                 grad = param.grad
                 fresh = p.new_sharded(view, param.requires_grad)
                 # Swap rather than ``.data =``: a DTensor keeps its local tensor in a Python
@@ -249,7 +260,7 @@ class FlatBucket:
             if self.in_place is not None and self.in_place.gathers and self.custom_all_gather is None:
                 if after is not None and not after.done() and not debug_enabled():
                     issue = functools.partial(self._start_gather_in_place, source)
-                    self._gather_issue = issue_after(after, issue)
+                    self._gather_issue = comm.local.gather_queue.issue_after(after, issue)
                 else:
                     self._start_gather_in_place(source)
                 return

@@ -11,7 +11,6 @@ or silently mixing up data (e.g. when a data-dependent branch runs different gro
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import threading
@@ -50,89 +49,64 @@ class Pending(NamedTuple):
     rows: torch.Tensor | None = None
 
 
-# In-place all-gathers can be deferred behind a reduce still in flight and then issued
-# from the thread that completes it (``issue_after``). They run on a process group of
-# their own (``gather_group``), so no other collective, fsdp2's or the user's, shares
-# their order; among themselves they keep program order on every rank: a deferred
-# gather waits for the previous deferred one, and one issued directly waits for all.
-_DEFERRED: list[torch.futures.Future] = []
-_ISSUER = threading.local()
-# key -> (the default group it was made under, the value): process groups fsdp2 creates.
-_GROUPS: dict[Any, tuple[Any, Any]] = {}
+class GatherQueue:
+    """The order of one rank's in-place all-gathers.
 
+    In-place all-gathers can be deferred behind a reduce still in flight and then issued
+    from the thread that completes it (``issue_after``). They run on a process group of
+    their own (``gather_group``), so no other collective, fsdp2's or the user's, shares
+    their order; among themselves they keep program order on every rank: a deferred
+    gather waits for the previous deferred one, and one issued directly waits for all.
+    """
 
-def release_at_exit() -> None:
-    """Before the interpreter tears down (``atexit``): wait for deferred all-gathers
-    still to be issued from gloo's threads, and drop the process groups fsdp2 made, so
-    that no gloo group is destroyed, with its threads, while the interpreter is
-    half torn down (gloo aborts the process then: "terminate called without an active
-    exception")."""
-    while _DEFERRED:
-        head = _DEFERRED.pop(0)
+    def __init__(self) -> None:
+        self._deferred: list[torch.futures.Future] = []
+        self._issuer = threading.local()  # which thread is issuing a deferred gather
+
+    def issue_after(self, future: torch.futures.Future, issue: Callable[[], Any]) -> torch.futures.Future:
+        """Run ``issue()``, which issues an in-place all-gather, once ``future`` and every
+        earlier deferred issue completed (on the thread that completes the last of them).
+        The returned future completes when it has been issued."""
+        prev = self._deferred[-1] if self._deferred else None
+        ready = torch.futures.collect_all([future, prev]) if prev is not None else future
+        issuer = self._issuer
+
+        def run(done: torch.futures.Future) -> Any:
+            for upstream in done.value() if prev is not None else [done]:
+                upstream.value()  # an error upstream: this issue is abandoned and reports it
+            if getattr(issuer, "registering", False):  # ran inline: everything before it is issued
+                return issue()
+            issuer.deferred = True
+            try:
+                return issue()
+            finally:
+                issuer.deferred = False
+
+        issuer.registering = True
         try:
-            head.wait()
-        except Exception:  # noqa: BLE001 - exiting: an error was reported where it happened
-            pass
-    _GROUPS.clear()
-
-
-atexit.register(release_at_exit)
-
-
-def cached_group(key: Any, make: Callable[[], Any]) -> Any:
-    """``make()`` once per ``key`` and default process group: after
-    ``destroy_process_group()`` and a new ``init_process_group()`` in the same process,
-    groups made under the old one are gone, so they are made anew."""
-    world = dist.group.WORLD
-    entry = _GROUPS.get(key)
-    if entry is None or entry[0] is not world:
-        entry = _GROUPS[key] = (world, make())
-    return entry[1]
-
-
-def gather_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The gloo group over ``group``'s ranks that in-place all-gathers use (created once,
-    by the member ranks only: each builds its buckets in the same order)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    return cached_group(
-        ("gather", ranks), lambda: dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    )
-
-
-def issue_after(future: torch.futures.Future, issue: Callable[[], Any]) -> torch.futures.Future:
-    """Run ``issue()``, which issues an in-place all-gather, once ``future`` and every
-    earlier deferred issue completed (on the thread that completes the last of them).
-    The returned future completes when it has been issued."""
-    prev = _DEFERRED[-1] if _DEFERRED else None
-    ready = torch.futures.collect_all([future, prev]) if prev is not None else future
-
-    def run(done: torch.futures.Future) -> Any:
-        for upstream in done.value() if prev is not None else [done]:
-            upstream.value()  # an error upstream: this issue is abandoned and reports it
-        if getattr(_ISSUER, "registering", False):  # ran inline: everything before it is issued
-            return issue()
-        _ISSUER.deferred = True
-        try:
-            return issue()
+            issued = ready.then(run)
         finally:
-            _ISSUER.deferred = False
+            issuer.registering = False
+        self._deferred.append(issued)
+        return issued
 
-    _ISSUER.registering = True
-    try:
-        issued = ready.then(run)
-    finally:
-        _ISSUER.registering = False
-    _DEFERRED.append(issued)
-    return issued
+    def in_order(self) -> None:
+        """Before issuing an in-place all-gather: the deferred ones go first."""
+        if getattr(self._issuer, "deferred", False):
+            return  # a deferred issue: the ones before it are issued already
+        while self._deferred:
+            head = self._deferred.pop(0)
+            _wait(head.wait, "a deferred all-gather")
 
-
-def _in_order() -> None:
-    """Before issuing an in-place all-gather: the deferred ones go first."""
-    if getattr(_ISSUER, "deferred", False):
-        return  # a deferred issue: the ones before it are issued already
-    while _DEFERRED:
-        head = _DEFERRED.pop(0)
-        _wait(head.wait, "a deferred all-gather")
+    def drain(self) -> None:
+        """Wait for every deferred issue, reporting nothing (the process is exiting: an
+        error was reported where it happened)."""
+        while self._deferred:
+            head = self._deferred.pop(0)
+            try:
+                head.wait()
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def wait_pending(pending: Pending) -> torch.Tensor:
@@ -221,13 +195,14 @@ def all_gather_flat(shard: torch.Tensor, output: torch.Tensor, group: dist.Proce
     return Pending(work, output, label)
 
 
-def all_gather_in_place(flat: torch.Tensor, group: dist.ProcessGroup, label: str) -> Pending:
+def all_gather_in_place(flat: torch.Tensor, group: dist.ProcessGroup, queue: GatherQueue, label: str) -> Pending:
     """All-gather as an in-place sum: every rank wrote its own rows of ``flat`` and
     filled the rest with -0.0, the one value that leaves any float unchanged when
     added to it (``x + -0.0 == x`` bit for bit, +0.0 included; a NaN stays a NaN), so
     the sum is exactly the gathered tensor. Used on gloo, whose all-gather stages the whole output
-    in a temporary and copies it; this writes straight into the caller's layout."""
-    _in_order()
+    in a temporary and copies it; this writes straight into the caller's layout. ``queue``
+    orders it after the rank's deferred in-place gathers."""
+    queue.in_order()
     with traced("fsdp2::all_gather"):
         if debug_enabled():
             check_same_collective(group, label, flat.numel())

@@ -49,11 +49,18 @@ class GradCommit:
         if flat is not None:
             self._remember(flat)
 
-    def commit_direct(self, divide_factor: float) -> None:
+    def commit_direct(self, divide_factor: float, backward_ran: bool) -> None:
         """Direct mode: move the leaves' accumulated gradients into ``.grad``. When every
         parameter got one and none had one yet, they go into one flat tensor laid out like
-        the shards, so the optimizer can step the bucket as one tensor."""
+        the shards, so the optimizer can step the bucket as one tensor. With the reduce's
+        ``zero_unused``, trainable parameters the group's backward gave no gradient get
+        zeros, as a reduce would give them."""
         params = self.bucket.params
+        if backward_ran and self.bucket.reduce.zero_unused:
+            for p in params:
+                leaf = p.unsharded
+                if leaf is not None and leaf.requires_grad and not p.has_unsharded_grad:
+                    leaf.grad = torch.zeros_like(leaf)
         has_grads = [p.unsharded.grad is not None for p in params]  # type: ignore[union-attr]
         if len(params) > 1 and not self.bucket.scalars and all(has_grads) and self._all_grads_none():
             # Local tensors: a tensor-parallel leaf's gradient is a TP DTensor.

@@ -1,16 +1,23 @@
 """The all-gather extension of tensor subclasses (torch's ``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather`` protocol, used e.g. by torchao's float8 weights).
 
-A parameter whose local tensor defines both methods keeps its class when sharded: its
-shard is the subclass rebuilt (``__tensor_unflatten__``) around its block of the
-bucket's sharded flat buffer, so optimizer steps and checkpoints see the subclass and
-the bucket still owns the storage and reduces the (plain) gradients as usual. Its
-gather is the subclass's: ``fsdp_pre_all_gather`` on the padded shard gives the tensors
-to send (any dtypes, e.g. float8 data and a scale); every parameter's inputs of one
-bucket travel in one all-gather, as bytes; ``fsdp_post_all_gather`` builds the
-unsharded tensor from the gathered outputs (once, then refills it with ``out=``). Such
-parameters sit in buckets of their own, shard on dim 0 and are gathered whole (an
-integer ``reshard_after_forward`` frees them like ``True``).
+A parameter whose local tensor defines both methods keeps its class when sharded, in one
+of two ways. A subclass wrapping one tensor with the standard ``__tensor_unflatten__``
+(``SubclassWrapper``) is rebuilt around its block of the bucket's sharded flat buffer,
+so the bucket owns the storage as for plain parameters. Any other subclass (several
+inner tensors, an unflatten of its own) is sharded through its own ops, as torch shards
+it (``FSDPParam.dispatch_shard``): its shard owns its storage, and the bucket, which
+holds only such parameters, has an empty flat buffer. Either way the (plain) gradients
+are reduced as usual.
+
+Its gather is the subclass's: ``fsdp_pre_all_gather`` on the shard (the padded block
+for the first kind, the shard itself for the second, which pads, as torch requires)
+gives the tensors to send (any dtypes, e.g. float8 data and a scale); every parameter's
+inputs of one bucket travel in one all-gather, as bytes; ``fsdp_post_all_gather`` builds
+the unsharded tensor from the gathered outputs (once, then refills it with ``out=``).
+The hooks run on the thread that runs the forward (or backward), with the shard dim's
+1-D mesh. Such parameters sit in buckets of their own, shard on dim 0 and are gathered
+whole (an integer ``reshard_after_forward`` frees them like ``True``).
 """
 
 from __future__ import annotations
@@ -39,18 +46,36 @@ def has_extension(local: torch.Tensor) -> bool:
 
 
 class SubclassWrapper:
-    """Rebuilds a one-inner-tensor subclass around another tensor (``__tensor_flatten__``)."""
+    """Rebuilds a one-inner-tensor subclass around another tensor (``__tensor_flatten__``
+    / ``__tensor_unflatten__``): the fast path, whose shards are views of the bucket's
+    flat buffer. ``of`` gives None for every other subclass (several inner tensors, an
+    ``__tensor_unflatten__`` of another signature or one that does not rebuild it):
+    those are sharded through their own ops (``FSDPParam.dispatch_shard``), as torch
+    shards them."""
 
-    def __init__(self, local: torch.Tensor, fqn: str) -> None:
+    def __init__(self, cls: type, name: str, ctx: Any) -> None:
+        self.cls, self.name, self.ctx = cls, name, ctx
+
+    @classmethod
+    def of(cls, local: torch.Tensor) -> SubclassWrapper | None:
         flatten = getattr(local, "__tensor_flatten__", None)
-        names, ctx = flatten() if flatten is not None else ([], None)
-        if len(names) != 1:
-            raise NotImplementedError(
-                f"parameter {fqn} is a {type(local).__name__} with an all-gather extension; fsdp2 shards such "
-                "subclasses when they wrap exactly one tensor (__tensor_flatten__ giving one inner name), "
-                f"this one gives {names}"
-            )
-        self.cls, self.name, self.ctx = type(local), names[0], ctx
+        unflatten = getattr(type(local), "__tensor_unflatten__", None)
+        if flatten is None or unflatten is None:
+            return None
+        names, ctx = flatten()
+        try:
+            n_args = len(inspect.signature(unflatten).parameters)
+        except (TypeError, ValueError):
+            return None
+        if len(names) != 1 or n_args != 4:
+            return None
+        wrapper = cls(type(local), names[0], ctx)
+        inner = getattr(local, names[0])
+        try:  # one trial rebuild around its own inner tensor
+            rebuilt = wrapper.wrap(inner)
+        except Exception:  # noqa: BLE001 - it rebuilds some other way: the general path
+            return None
+        return wrapper if type(rebuilt) is type(local) and wrapper.inner(rebuilt) is inner else None
 
     def inner(self, t: torch.Tensor) -> torch.Tensor:
         return getattr(t, self.name) if isinstance(t, self.cls) else t
@@ -98,14 +123,17 @@ class ExtensionGather:
 
     def _pre(self, p: FSDPParam, mp_policy: Any) -> tuple[list[torch.Tensor], Any]:
         b = self.bucket
-        padded = b.sharded_flat[p.offset : p.offset + p.shard_numel].view(p.layout.chunk, *p.local_shape[1:])
-        local = p.wrapper.wrap(padded)  # type: ignore[union-attr]
+        if p.wrapper is not None:  # the padded block of the flat buffer, as the subclass
+            padded = b.sharded_flat[p.offset : p.offset + p.shard_numel].view(p.layout.chunk, *p.local_shape[1:])
+            local = p.wrapper.wrap(padded)
+        else:  # its own shard; the hook pads (torch's contract for uneven shards)
+            local = p.sharded._local_tensor  # type: ignore[union-attr]
         hook = local.fsdp_pre_all_gather
         n_args = len(inspect.signature(hook).parameters)
         if n_args == 1:
-            inputs, meta = hook(_shard_mesh(b))
+            inputs, meta = hook(b.comm.shard_mesh)
         elif n_args == 5:
-            inputs, meta = hook(_shard_mesh(b), p.shape, p.stride, p.owners[0][0], mp_policy)
+            inputs, meta = hook(b.comm.shard_mesh, p.shape, p.stride, p.owners[0][0], mp_policy)
         else:
             raise TypeError(
                 f"{type(local).__name__}.fsdp_pre_all_gather{inspect.signature(hook)}: expected (mesh) or "
@@ -176,11 +204,6 @@ class ExtensionGather:
                 if buf is not None:
                     self.bucket.comm.pool.release(buf)
             self._buffers, self._sent = None, []
-
-
-def _shard_mesh(bucket: FlatBucket) -> Any:
-    mesh = bucket.comm.mesh
-    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
 
 
 def _realloc(t: torch.Tensor) -> None:

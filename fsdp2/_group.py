@@ -45,6 +45,7 @@ from ._bucket import FlatBucket
 from ._mesh import MeshInfo
 from ._calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
 from ._param import FSDPParam
+from ._shared import SharedParam
 from ._tree import cast_floating
 from .api import MixedPrecisionPolicy
 
@@ -91,10 +92,12 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.buckets: list[FlatBucket] = []
         self._bucket_of: dict[int, FlatBucket] = {}
-        by_dtype: dict[tuple[torch.dtype, bool], list[int]] = {}
+        # Plain parameters, subclasses over the flat buffer and subclasses with shards of
+        # their own (``FSDPParam.dispatched``) go to buckets of their own per dtype.
+        by_dtype: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
         for i, p in enumerate(params):
-            by_dtype.setdefault((p.dtype, p.extension), []).append(i)
-        for (dtype, _), idx in by_dtype.items():
+            by_dtype.setdefault((p.dtype, p.extension, p.dispatched), []).append(i)
+        for (dtype, _, _), idx in by_dtype.items():
             compute = mp_policy.param_dtype if (mp_policy.param_dtype and dtype.is_floating_point) else dtype
             reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and dtype.is_floating_point) else compute
             bucket = FlatBucket(
@@ -135,6 +138,8 @@ class ParamGroup:
         self.ctx: RootContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
         self._checked_flats: list[torch.Tensor] = []  # sharded flats found materialized
+        # Parameters an earlier call on a sibling module manages: raised at lazy init.
+        self.shared_elsewhere: list[SharedParam] = []
 
     def set_name(self, name: str) -> None:
         """Name used in messages: the module's FQN under the root, once known."""

@@ -33,7 +33,6 @@ from ._collectives import (
     Pending,
     all_gather_in_place,
     all_reduce_in_place,
-    gather_group,
     then,
     traced,
     wait_future,
@@ -74,7 +73,7 @@ class InPlace:
     def __init__(self, bucket: FlatBucket) -> None:
         self.bucket = bucket
         self.gathers = GATHER_IN_PLACE
-        self.gather_group = gather_group(bucket.comm.shard_group) if self.gathers else None
+        self.gather_group = bucket.comm.local.gather_group(bucket.comm.shard_group) if self.gathers else None
         # The reduce of this backward sums the gradients inside the unsharded storage
         # (``lend``): it stays allocated until the reduce completes.
         self.lent = False
@@ -102,7 +101,7 @@ class InPlace:
             sizes = [p.shard_numel for p in b.sharded_params]
             torch.split_with_sizes_copy(shard, sizes, out=self.own_rows())
         assert self.gather_group is not None
-        return all_gather_in_place(region, self.gather_group, label=f"all-gather of {b.name}")
+        return all_gather_in_place(region, self.gather_group, b.comm.local.gather_queue, label=f"all-gather of {b.name}")
 
     # -------------------------------------------------------------------- reduce
     def lend(self, reduce: BucketReduce) -> None:
@@ -149,7 +148,7 @@ class InPlace:
                     b.write_views[p.bucket_index].zero_()
             flags_at = world_numel + len(b.scalars)
             flags = b.unsharded_write[flags_at : flags_at + len(deposited)]
-            flags.copy_(torch.tensor(deposited, dtype=flags.dtype))
+            flags.copy_(torch.tensor(reduce.used_flags(), dtype=flags.dtype))
         pending = all_reduce_in_place(
             b.unsharded_write[: flags_at + len(deposited)], b.comm.shard_group, label=f"reduce-scatter of {b.name}"
         )

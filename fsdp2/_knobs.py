@@ -20,6 +20,7 @@ class CommKnobs:
     """Mixin of ``FSDPModule``: the communication settings."""
 
     _fsdp2_state: Any
+    _target_groups: Callable[[bool], list[Any]]  # FSDPModule's: this group, or all below with recurse
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduce_output)`` on this module's reduced gradients: after the
@@ -71,10 +72,16 @@ class CommKnobs:
         check_bool("set_force_sum_reduction_for_comms", enable)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """fsdp2 always includes unused parameters in its reduce (as zeros with a zero
-        "used" flag, so they keep ``grad=None``), so every rank issues the same
-        collectives whatever its control flow: this changes nothing; checked for a bool."""
+        """``True``: trainable parameters that no rank computed a gradient for in a
+        backward of their module get zero gradients instead of ``None`` (some optimizers
+        and clipping code expect every parameter to have one). fsdp2 reduces unused
+        parameters either way (as zeros with a zero "used" flag), so every rank issues the
+        same collectives whatever its control flow, which is what torch needs this knob
+        for; here it only decides ``None`` or zeros."""
         check_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for g in self._target_groups(recurse):
+            for b in g.buckets:
+                b.reduce.zero_unused = reduce_scatter_unused_params
 
     def set_post_optim_event(self, event: Any) -> None:
         """An event recorded after the optimizer step for the all-gather streams to wait

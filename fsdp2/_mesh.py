@@ -12,6 +12,7 @@ data-parallel mesh dimensions give a parameter. Buckets read nothing else about 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from ._buffers import BufferPool
-from ._collectives import cached_group
+from ._rank import RankLocal, this_rank
 from .api import DataParallelMeshDims
 
 
@@ -30,24 +31,34 @@ class SpmdDims:
     those dims, and their shards are DTensors on it too."""
 
     mesh: DeviceMesh
-    shard: tuple[int, ...]  # indices of the dims sharded over (flattened when several)
+    shard: tuple[int, ...]  # indices of the dims sharded over (flattened when several); none: DDP
     replicate: tuple[int, ...]  # indices of the replica dims
-    dp_mesh: DeviceMesh  # the data-parallel dims as one (shard) or two (replicate, shard) dims
+    # The data-parallel dims as one (shard) or two (replicate, shard) dims; replicas only
+    # (DDP): one, the replicas.
+    dp_mesh: DeviceMesh
 
     @property
     def dp(self) -> frozenset[int]:
         return frozenset(self.shard + self.replicate)
 
+    @property
+    def replicate_only(self) -> bool:
+        """Replicated over the data-parallel dims, not sharded (DDP): shard size 1."""
+        return not self.shard
+
     @classmethod
     def split(cls, mesh: DeviceMesh, dims: DataParallelMeshDims) -> tuple[DeviceMesh, SpmdDims]:
-        """The data-parallel mesh to shard over (1-D, or ``(replicate, shard)``) and
-        the description of ``mesh``; names already validated."""
+        """The data-parallel mesh to shard over (1-D, or ``(replicate, shard)``; the
+        replicas alone for DDP) and the description of ``mesh``; names already validated."""
         names = mesh.mesh_dim_names
         assert names is not None
-        shard = _flat(mesh, dims.shard_names)
-        dp = shard
-        if dims.replicate_names:
-            dp = DeviceMesh._concatenate([_flat(mesh, dims.replicate_names), shard])
+        replicas = _flat(mesh, dims.replicate_names) if dims.replicate_names else None
+        if not dims.shard_names:
+            assert replicas is not None
+            dp = replicas
+        else:
+            shard = _flat(mesh, dims.shard_names)
+            dp = shard if replicas is None else DeviceMesh._concatenate([replicas, shard])
         spmd = cls(
             mesh=mesh,
             shard=tuple(names.index(n) for n in dims.shard_names),
@@ -70,29 +81,51 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None  # None without a replicate dimension
     replicate_rank: int
     replicate_size: int
-    pool: BufferPool
+    local: RankLocal  # this rank's pools and derived groups
+    pool: BufferPool  # ``local``'s pool for the mesh's device
     # gloo: pooled reduces run as an all-to-all plus a local sum, large buckets may
     # gather and reduce in place (both faster than gloo's all-gather/reduce-scatter).
     on_gloo: bool
     spmd: SpmdDims | None = None  # set when fully_shard got a full SPMD mesh and dp_mesh_dims
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, pool: BufferPool, spmd: SpmdDims | None = None) -> MeshInfo:
-        shard_dim = mesh.ndim - 1
-        shard_group = mesh.get_group(shard_dim)
-        replicate = mesh.ndim == 2
+    def from_mesh(cls, mesh: DeviceMesh, spmd: SpmdDims | None = None) -> MeshInfo:
+        local = this_rank()
+        if spmd is not None and spmd.replicate_only:
+            # Replicas only (DDP) is HSDP with shards of one rank: ``mesh`` is the replicas.
+            rank = dist.get_rank()
+            backend = dist.get_backend(mesh.get_group(0))
+            shard_group = local.group(
+                ("self", rank, backend), lambda: dist.new_group([rank], backend=backend, use_local_synchronization=True)
+            )
+            shard_rank, shard_size, replicate = 0, 1, True
+        else:
+            shard_group = mesh.get_group(mesh.ndim - 1)
+            shard_rank, shard_size = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+            replicate = mesh.ndim == 2
         return cls(
             mesh=mesh,
             shard_group=shard_group,
-            shard_rank=mesh.get_local_rank(shard_dim),
-            shard_size=mesh.size(shard_dim),
+            shard_rank=shard_rank,
+            shard_size=shard_size,
             replicate_group=mesh.get_group(0) if replicate else None,
             replicate_rank=mesh.get_local_rank(0) if replicate else 0,
             replicate_size=mesh.size(0) if replicate else 1,
-            pool=pool,
+            local=local,
+            pool=local.pool(mesh_device(mesh)),
             on_gloo=dist.get_backend(shard_group) == "gloo",
             spmd=spmd,
         )
+
+    @cached_property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard dim (what the all-gather extension's hooks get)."""
+        mesh = self.mesh
+        if mesh.ndim == 1:
+            return mesh
+        if mesh.mesh_dim_names is not None:
+            return mesh[mesh.mesh_dim_names[-1]]
+        return DeviceMesh.from_group(self.shard_group, mesh.device_type)
 
     @property
     def device_type(self) -> str:
@@ -120,11 +153,16 @@ class MeshInfo:
         first = self.shard_rank - self.shard_rank % factor
         block = tuple(ranks[first : first + factor])
         backend = dist.get_backend(self.shard_group)
-        group = cached_group(
+        group = self.local.group(
             ("partial", block, backend),
             lambda: dist.new_group(list(block), backend=backend, use_local_synchronization=True),
         )
         return group, self.shard_rank % factor
+
+
+def shard_size(mesh: DeviceMesh, spmd: SpmdDims | None) -> int:
+    """How many ranks a parameter is sharded over (``MeshInfo.shard_size``), before one is built."""
+    return 1 if spmd is not None and spmd.replicate_only else mesh.size(mesh.ndim - 1)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -75,12 +75,15 @@ class FSDPParam:
             self.tp = (param.device_mesh, tuple(param.placements))
             local_shape = param._local_tensor.shape
             local = param._local_tensor
-        # A subclass that customizes its all-gather (``_extension``) keeps its class.
+        # A subclass that customizes its all-gather (``_extension``) keeps its class: as a
+        # view of the bucket's flat buffer rebuilt around it (``wrapper``, one inner
+        # tensor), or else as a shard of its own made through its own ops (``dispatched``).
+        self.extension = has_extension(local)
         self.wrapper: SubclassWrapper | None = None
-        if has_extension(local):
+        if self.extension:
             _check_extension_param(fqn, param, dim)
-            self.wrapper = SubclassWrapper(local, fqn)
-        self.extension = self.wrapper is not None
+            self.wrapper = SubclassWrapper.of(local)
+        self.dispatched = self.extension and self.wrapper is None
         self.layout = ShardLayout(local_shape, dim, info.shard_size, info.shard_rank)
         # Read on the hot path (deposit, reduce, commit): plain attributes.
         self.is_replicated = self.layout.is_replicated
@@ -131,6 +134,17 @@ class FSDPParam:
             elif full.shape == self.shape:
                 full = distribute_tensor(full, self.tp[0], self.tp[1], src_data_rank=None).to_local()
         return self.layout.local_chunk(full)
+
+    def dispatch_shard(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's shard of ``value`` (the full parameter, or already this rank's
+        shard), a tensor of the subclass's own class and storage on ``device``, made by
+        its own ops (``narrow``, ``new_zeros``, ``copy_``) as torch makes it: for
+        subclasses ``wrapper`` cannot rebuild."""
+        rows = value if tuple(value.shape) == self.local_shape else self.layout.local_chunk(value)
+        shard = rows.new_zeros(self.local_shape)
+        if rows.device.type != "meta":
+            shard.copy_(rows)
+        return shard if shard.device == device else shard.to(device)
 
     def new_sharded(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """The sharded ``nn.Parameter`` over ``local`` (a view of the bucket's flat buffer),
@@ -329,7 +343,7 @@ def _spmd_placements(
             mesh.size(j) for j in range(i + 1, mesh.ndim) if isinstance(out[j], Shard) and out[j].dim == dim
         )
         out[i] = _StridedShard(dim, split_factor=split) if split > 1 and isinstance(fsdp, Shard) else fsdp
-    if len(spmd.shard) == 1:
+    if len(spmd.shard) <= 1:  # one shard dim, or none (replicas only)
         return mesh, tuple(out)
     names = mesh.mesh_dim_names
     assert names is not None

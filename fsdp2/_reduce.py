@@ -81,11 +81,23 @@ class BucketReduce:
         self._unreplicated: torch.Tensor | None = None
         self.hook: Callable[[torch.Tensor], None] | None = None  # ``set_all_reduce_hook``
         self.custom: Any = None  # ``set_custom_reduce_scatter``'s collective, if any
+        # ``set_reduce_scatter_unused_params(True)``: parameters no rank computed a gradient
+        # for get zeros (reduced like the others) instead of None.
+        self.zero_unused = False
 
     @property
     def is_plain(self) -> bool:
         """No user hook or collective: the in-place strategy may take the reduce."""
         return self.hook is None and self.custom is None
+
+    def used_flags(self) -> list[bool]:
+        """The "used" flag of each reduced parameter, summed over ranks by the reduce: a
+        parameter whose sum is 0 keeps ``grad=None``. Every parameter counts as used with
+        a user hook (it may combine gradients over ranks the flags know nothing of, and
+        torch gives zeros then) or ``zero_unused``."""
+        if self.hook is not None or self.zero_unused:
+            return [True] * len(self.deposited)
+        return self.deposited
 
     def _advance(self, to: ReduceState, *allowed: ReduceState) -> None:
         if self.state not in allowed:
@@ -203,10 +215,7 @@ class BucketReduce:
             for i, p in enumerate(layout.scalars):
                 if not self.deposited[p.rs_index]:
                     buf[:, layout.scalar_base + i].zero_()
-            # With a user hook every parameter counts as used (zero gradients, as torch
-            # gives): the hook may combine gradients over ranks the flags know nothing of.
-            used = [True] * len(self.deposited) if self.hook is not None else self.deposited
-            flags = torch.tensor(used, dtype=buf.dtype).to(buf.device)
+            flags = torch.tensor(self.used_flags(), dtype=buf.dtype).to(buf.device)
             buf[:, layout.flags_base : layout.numel].copy_(flags)
         label = f"reduce-scatter of {self.bucket.name}"
         if self.custom is not None and comm.shard_size > 1:

@@ -16,6 +16,7 @@ from torch.autograd import Variable
 from . import _optim
 from ._bucket import FlatBucket
 from ._group import ParamGroup, ShardState, TrainingState
+from ._shared import raise_deferred
 
 # Reduce-scatters allowed in flight before the oldest is waited for: bounds the
 # pooled reduce buffers alive at once (each holds a full unsharded gradient) while
@@ -109,6 +110,7 @@ class RootContext:
             sub_state = sub.__dict__.get("_fsdp2_state")
             if sub_state is not None and sub_state.group not in groups and sub_state.group.ctx is None:
                 groups.append(sub_state.group)
+        raise_deferred([c for g in groups for c in g.shared_elsewhere], state.module)
         for g in groups:
             g.adopt_reassigned()
         ctx = RootContext(state.group, groups)
@@ -292,8 +294,9 @@ class RootContext:
             if g.direct:
                 g.forget_calls()
                 if g.requires_gradient_sync:
+                    ran = g.training_state is TrainingState.PRE_BACKWARD
                     for b in g.buckets:
-                        b.commit.commit_direct(g.divide_factor())
+                        b.commit.commit_direct(g.divide_factor(), ran)
             for b in g.buckets:
                 b.commit.commit()
             g.held_by_user = False  # an unshard() window ends with the backward

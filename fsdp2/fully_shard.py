@@ -23,20 +23,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _classes, _optim
-from ._buffers import BufferPool
 from ._group import ParamGroup, ShardState, TrainingState
 from ._knobs import CommKnobs, check_bool
-from ._mesh import MeshInfo, SpmdDims, mesh_device
+from ._mesh import MeshInfo, SpmdDims, mesh_device, shard_size
 from ._param import FSDPParam, sharded_owner, unsharded_owner
 from ._state import FSDPState
+from ._shared import SharedParam, find_under, shared_error
 from ._state_dict import register_state_dict_hooks, validate_state_dict
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
-# id(original parameter) -> (weak ref to it, its FQN, its module's class) for parameters fully_shard replaced:
-# an optimizer still holding one was created too early (checked at optimizer.step()).
-_REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], str, str]] = {}
+# id(original parameter) -> (weak refs to it and to the FSDPParam that replaced it): an
+# optimizer still holding one was created too early (checked at optimizer.step()).
+_REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[FSDPParam]]] = {}
 _OPTIMIZER_HOOK: list[Any] = []
-_POOLS: dict[torch.device, BufferPool] = {}
 
 
 @overload
@@ -66,9 +65,9 @@ def fully_shard(
 
     Args:
         module: a module, or a list of modules sharing one group.
-        mesh: 1D DeviceMesh (FSDP) or 2D ``(replicate, shard)`` DeviceMesh with
-            ``mesh_dim_names`` (HSDP); ``None`` means the default process group on
-            the default device type.
+        mesh: 1D DeviceMesh (FSDP) or 2D DeviceMesh (HSDP), whose dims are
+            ``(replicate, shard)`` in this order, named or not; ``None`` means the
+            default process group on the default device type.
         reshard_after_forward: ``True`` frees the unsharded parameters after forward
             (re-gathered in backward), ``False`` keeps them, an int ``N`` keeps
             ``1/N`` of them so the backward all-gather runs over ``N`` ranks (a
@@ -93,25 +92,26 @@ def fully_shard(
     if dp_mesh_dims is not None:
         mesh, spmd = SpmdDims.split(mesh, _validate_dp_mesh_dims(dp_mesh_dims, mesh))
     _validate_mesh(mesh)
-    reshard_after_forward = _reshard_after_forward_value(reshard_after_forward, mesh)
+    reshard_after_forward = _reshard_after_forward_value(reshard_after_forward, shard_size(mesh, spmd))
     mp_policy, offload_policy = _validate_policies(mp_policy, offload_policy, mesh)
     ignored = _validate_ignored(ignored_params)
-    owners, fqns = _collect_params(modules, ignored)
+    owners, fqns, shared = _collect_params(modules, ignored)
     params = list(owners)
     if spmd is not None:
         _validate_spmd_params(params, fqns, spmd)
     dims = _shard_dims(params, fqns, shard_placement_fn, mesh, spmd is None)
 
     device = mesh_device(mesh)
-    info = MeshInfo.from_mesh(mesh, _POOLS.setdefault(device, BufferPool()), spmd)
+    info = MeshInfo.from_mesh(mesh, spmd)
     fsdp_params = [FSDPParam(fqns[p], owners[p], p, info, dim) for p, dim in zip(params, dims)]
     shard_device = torch.device("meta") if any(p.device.type == "meta" for p in params) else device
     group = ParamGroup(fsdp_params, params, modules, info, shard_device, mp_policy, reshard_after_forward)
+    group.shared_elsewhere = shared
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         group.partial_group, group.partial_index = info.partial_group(reshard_after_forward)
     for fp, original in zip(fsdp_params, params):
         fp.register_sharded()
-        _remember(_REPLACED, id(original), (weakref.ref(original), fp.fqn, type(fp.owners[0][0]).__name__))
+        _remember(_REPLACED, id(original), (weakref.ref(original), weakref.ref(fp)))
     register_state_dict_hooks(fsdp_params)
     if not _OPTIMIZER_HOOK:
         _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_pre_optimizer_step))
@@ -224,7 +224,7 @@ class FSDPModule(CommKnobs):
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (see ``fully_shard``) for later forwards."""
         group = self._fsdp2_state.group
-        reshard_after_forward = _reshard_after_forward_value(reshard_after_forward, group.comm.mesh)
+        reshard_after_forward = _reshard_after_forward_value(reshard_after_forward, group.comm.shard_size)
         if reshard_after_forward is None:
             raise ValueError("set_reshard_after_forward expects a bool or an int, got None")
         partial = None
@@ -365,11 +365,6 @@ def _validate_mesh(mesh: Any) -> None:
             f"{mesh.ndim}D mesh {tuple(mesh.mesh.shape)}; for tensor parallel, parallelize the model over "
             "mesh['tp'] first and pass the data-parallel part, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']"
         )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
-            f"fully_shard got a 2D mesh {tuple(mesh.mesh.shape)} without mesh_dim_names; HSDP needs "
-            "named dims: init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
-        )
     if mesh.device_type not in ("cpu", "meta"):
         module = getattr(torch, mesh.device_type, None)
         if module is None or not module.is_available():
@@ -381,14 +376,14 @@ def _validate_mesh(mesh: Any) -> None:
         raise ValueError("this rank is not part of the mesh passed to fully_shard")
 
 
-def _reshard_after_forward_value(value: Any, mesh: DeviceMesh) -> bool | int | None:
-    """``value`` checked, an int that means a bool turned into it: 1 (keep all of them,
-    reshard to one rank's worth) is ``False`` and the shard size is ``True``."""
+def _reshard_after_forward_value(value: Any, world: int) -> bool | int | None:
+    """``value`` checked against the shard size ``world``, an int that means a bool turned
+    into it: 1 (keep all of them, reshard to one rank's worth) is ``False`` and the
+    shard size is ``True``."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
         raise TypeError(f"reshard_after_forward expects a bool, an int or None, got {type(value).__name__}")
-    world = mesh.size(mesh.ndim - 1)
     if not (1 <= value <= world and world % value == 0):
         raise ValueError(
             f"reshard_after_forward={value} must divide the shard size {world} (the data-parallel "
@@ -538,11 +533,6 @@ def _validate_dp_mesh_dims(dims: Any, mesh: Any) -> DataParallelMeshDims:
                 f"dp_mesh_dims.{field}={group!r} lists mesh dims out of the mesh's order {names}; "
                 f"list them in that order: {tuple(sorted(group, key=names.index))!r}"
             )
-    if not dims.shard_names:
-        raise NotImplementedError(
-            f"dp_mesh_dims={dims!r} replicates without sharding (DDP), which fsdp2 does not do; name the "
-            "dim(s) to shard over, e.g. DataParallelMeshDims(shard='dp') or (shard='dp_shard', replicate='dp_replicate')"
-        )
     return dims
 
 
@@ -580,37 +570,42 @@ def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
 # ------------------------------------------------------------------ collection
 def _collect_params(
     modules: list[nn.Module], ignored: set[int]
-) -> tuple[dict[torch.Tensor, list[tuple[nn.Module, str]]], dict[torch.Tensor, str]]:
+) -> tuple[dict[torch.Tensor, list[tuple[nn.Module, str]]], dict[torch.Tensor, str], list[SharedParam]]:
     """Parameters under ``modules`` not managed by an earlier call, with every
-    (module, name) that registers each, in ``named_parameters`` order."""
+    (module, name) that registers each, in ``named_parameters`` order; and those an
+    earlier call on a module outside ``modules`` manages (raised at lazy init, see
+    ``_shared``). One an earlier call under ``modules`` manages raises here."""
     owners: dict[torch.Tensor, list[tuple[nn.Module, str]]] = {}
     fqns: dict[torch.Tensor, str] = {}
+    deferred: list[SharedParam] = []
     for root in modules:
         for module, prefix in _walk_unmanaged(root):
             for name, p in module._parameters.items():
                 if p is None or id(p) in ignored:
                     continue
-                other = sharded_owner(p)
+                other = _managed_elsewhere(p)
                 if other is not None:
-                    _raise_shared(prefix + name, root, other.fqn, type(other.owners[0][0]).__name__)
-                replaced = _REPLACED.get(id(p))
-                if replaced is not None and replaced[0]() is p:
-                    _raise_shared(prefix + name, root, replaced[1], replaced[2])
+                    other_fqn = find_under(root, other)
+                    if other_fqn is not None:
+                        where = f"names under the {type(root).__name__} being sharded"
+                        raise shared_error(prefix + name, other_fqn, where)
+                    deferred.append(SharedParam(root, prefix + name, other))
+                    continue
                 slots = owners.setdefault(p, [])
                 if not any(m is module and n == name for m, n in slots):
                     slots.append((module, name))
                 fqns.setdefault(p, prefix + name)
-    return owners, fqns
+    return owners, fqns, deferred
 
 
-def _raise_shared(fqn: str, root: nn.Module, other_fqn: str, other_owner: str) -> None:
-    raise ValueError(
-        f"parameter '{fqn}' of the {type(root).__name__} being sharded is the same tensor as "
-        f"'{other_fqn}' of a {other_owner} that an earlier fully_shard call manages. If that call "
-        "was on a parent of this module, apply fully_shard bottom-up (blocks first, then the root); "
-        "if the parameter is shared (tied weights), put the modules that share it in one group: "
-        "fully_shard([module_a, module_b]), or fully_shard only on their common parent"
-    )
+def _managed_elsewhere(p: torch.Tensor) -> FSDPParam | None:
+    """The parameter of an earlier group that ``p`` is: its sharded parameter, or the
+    original it replaced."""
+    other = sharded_owner(p)
+    if other is not None:
+        return other
+    replaced = _REPLACED.get(id(p))
+    return replaced[1]() if replaced is not None and replaced[0]() is p else None
 
 
 def _remember(registry: dict, key: int, value: Any) -> None:
@@ -633,9 +628,10 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                 owners.add(fp.group)
                 continue
             entry = _REPLACED.get(id(p))
-            if entry is not None and entry[0]() is p:
+            replaced_by = entry[1]() if entry is not None and entry[0]() is p else None
+            if replaced_by is not None:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds the parameter {entry[1]} as it was before "
+                    f"{type(optimizer).__name__} holds the parameter {replaced_by.fqn} as it was before "
                     "fully_shard, which no longer belongs to the model (it trains nothing). Create "
                     "the optimizer after fully_shard: optimizer = Optimizer(model.parameters(), ...)"
                 )

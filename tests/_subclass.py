@@ -11,9 +11,11 @@ show. ``calls`` counts the hook calls; ``OldSignature`` uses the older one-argum
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._pytree import tree_map_only
 
 aten = torch.ops.aten
@@ -83,3 +85,61 @@ class OldSignature(Doubled):
     def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], Any]:  # type: ignore[override]
         calls["pre"] += 1
         return (self._inner * 2, torch.full(self._inner.shape, 7, dtype=torch.int64, device=self._inner.device)), "meta"
+
+
+class OwnUnflatten(Doubled):
+    """``__tensor_unflatten__`` as a static method of three arguments (no flatten
+    context): a signature torch's ``fully_shard`` never calls, so it works there."""
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, outer_size: Any, outer_stride: Any) -> OwnUnflatten:  # type: ignore[override]
+        return OwnUnflatten(inner["_inner"])
+
+
+seen = threading.local()  # what ``ThreadLocal``'s hook saw, on the thread that called it
+
+
+class ThreadLocal(Doubled):
+    """Records the mesh ``fsdp_pre_all_gather`` got in per-thread state, as user code
+    that reads it after the forward on the same thread does."""
+
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        seen.meshes = getattr(seen, "meshes", []) + [mesh]
+        return super().fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
+
+
+class Pair(TwoTensor):
+    """Two inner tensors (``a``, ``b``, torch's ``TwoTensor``), both gathered; every op
+    runs on each, so after any number of optimizer steps ``a == b`` and the unsharded
+    value ``(a + b) / 2`` is exactly the parameter (float64 parity holds). A gather that
+    mixed the two up, or a step that updated only one, would show."""
+
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        calls["pre"] += 1
+        padded = -(-outer_size[0] // mesh.size())
+        a, b = self.a, self.b
+        if a.shape[0] < padded:
+            a = torch.cat([a, a.new_zeros(padded - a.shape[0], *a.shape[1:])])
+            b = torch.cat([b, b.new_zeros(padded - b.shape[0], *b.shape[1:])])
+        return (a, b), "pair"
+
+    def fsdp_post_all_gather(
+        self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        a, b = outputs
+        assert metadata == "pair", metadata
+        if out is not None:
+            calls["post_out"] += 1
+            out.data.copy_(((a + b) / 2)[: out.shape[0]])
+            return None
+        calls["post"] += 1
+        value = ((a + b) / 2).to(param_dtype)
+        return value, (value,)
+
+    @staticmethod
+    def make(t: torch.Tensor) -> Pair:
+        return Pair(t, t.clone())

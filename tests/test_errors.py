@@ -57,7 +57,6 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     check("dp_mesh_dims_name", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard="dp")), ValueError, "['dp'] that are not dims of the mesh")
     check("dp_mesh_dims_order", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard=("stp", "sdp"))), ValueError, "list them in that order: ('sdp', 'stp')")
     check("dp_mesh_dims_twice", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard="sdp", replicate="sdp")), ValueError, "a mesh dim twice")
-    check("dp_mesh_dims_ddp", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(replicate="sdp")), NotImplementedError, "replicates without sharding")
     check("dp_mesh_dims_plain", lambda: fsdp2.fully_shard(lin, mesh=spmd, dp_mesh_dims=dims(shard="sdp")), ValueError, "weight is a plain tensor")
     on_dp = nn.Linear(4, 4)
     on_dp.weight = nn.Parameter(torch.distributed.tensor.distribute_tensor(on_dp.weight.detach(), spmd, [torch.distributed.tensor.Shard(0), torch.distributed.tensor.Replicate()]))
@@ -65,7 +64,6 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     check("dp_mesh_dims_placement", lambda: fsdp2.fully_shard(on_dp, mesh=spmd, dp_mesh_dims=dims(shard="sdp")), ValueError, "expected Replicate() on the data-parallel dim 'sdp'")
     check("dp_mesh_dims_other_mesh", lambda: fsdp2.fully_shard(on_dp, mesh=mesh3d, dp_mesh_dims=dims(shard="c")), ValueError, "not on the mesh passed to fully_shard")
     out["untouched_spmd"] = "ok" if type(on_dp) is nn.Linear else "changed"
-    check("mesh_2d_unnamed", lambda: fsdp2.fully_shard(lin, mesh=unnamed2d), ValueError, "without mesh_dim_names")
     check("raf_type", lambda: fsdp2.fully_shard(lin, reshard_after_forward="yes"), TypeError, "reshard_after_forward expects")
     check("raf_divisor", lambda: fsdp2.fully_shard(lin, reshard_after_forward=3), ValueError, "must divide the shard size")
     check("raf_zero", lambda: fsdp2.fully_shard(lin, reshard_after_forward=0), ValueError, "must divide the shard size")
@@ -97,11 +95,18 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     fsdp2.fully_shard(model)
     check("top_down", lambda: fsdp2.fully_shard(model.blocks[0]), ValueError, "bottom-up")
 
+    # A tied weight split across groups, named by full names: found by the root's call...
+    tied = ToyModel()  # head.weight is emb.weight
+    fsdp2.fully_shard(tied.emb)
+    check("shared_param", lambda: fsdp2.fully_shard(tied), ValueError, "parameter 'head.weight' (names under the ToyModel being sharded) is the same tensor as 'emb.weight'")
+    # ... or, when a sibling's call finds it, at the root's first forward, before any collective.
     shared = ToyModel(tie=False)
     shared.extra.weight = nn.Parameter(torch.randn(6, 6))
     shared.blocks[0].fc2.weight = shared.extra.weight
     fsdp2.fully_shard(shared.extra)
-    check("shared_param", lambda: fsdp2.fully_shard(shared.blocks[0]), ValueError, "parameter 'fc2.weight' of the Block being sharded is the same tensor as 'weight' of a Linear")
+    fsdp2.fully_shard(shared.blocks[0])
+    fsdp2.fully_shard(shared)
+    check("shared_param_sibling", lambda: shared(batch(0, 2)[0]), ValueError, "parameter 'blocks.0.fc2.weight' (found by the fully_shard call on 'blocks.0') is the same tensor as 'extra.weight'")
 
     fsdp_model = ToyModel()
     fsdp2.fully_shard(fsdp_model.blocks[0])

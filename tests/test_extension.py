@@ -1,17 +1,21 @@
 """The tensor-subclass all-gather extension (``fsdp_pre_all_gather`` /
-``fsdp_post_all_gather``, as torchao's float8 weights use it), at 2 ranks, with fsdp2
-and with torch's ``fully_shard`` in the same ranks: the hooks run on every gather, the
-sharded parameters keep their class, and training matches local training in float64,
-with uneven shards, mixed precision on and the older one-argument signature."""
+``fsdp_post_all_gather``, as torchao's float8 weights use it), at 4 ranks, with fsdp2
+and with torch's ``fully_shard`` in the same ranks: the hooks run on every gather, on
+the thread that runs the forward, with the shard dim's 1-D mesh; the sharded parameters
+keep their class, and training matches local training in float64, with uneven shards,
+mixed precision on, the older one-argument signature, subclasses of two inner tensors or
+an ``__tensor_unflatten__`` of their own, on a 1-D mesh and on HSDP (2 x 2)."""
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import _subclass
 from _dist import run_ranks
@@ -27,7 +31,16 @@ CASES = {
     "mixed_precision": dict(cls="Doubled", hidden=7, mp=True, tol=1e-5),
     # set_custom_all_gather: the extension's inputs travel through the user's collective
     "custom_all_gather": dict(cls="Doubled", hidden=8, custom=True),
+    # sharded through the subclass's own ops (torch's way), not rebuilt around a flat buffer
+    "two_inner_tensors": dict(cls="Pair", hidden=8),
+    "two_inner_tensors_uneven": dict(cls="Pair", hidden=7),
+    "two_inner_tensors_hsdp": dict(cls="Pair", hidden=7, hsdp=True),
+    "own_unflatten": dict(cls="OwnUnflatten", hidden=7),
+    # fsdp_pre_all_gather keeps per-thread state: called on the forward's thread
+    "thread_local": dict(cls="ThreadLocal", hidden=8),
+    "thread_local_hsdp": dict(cls="ThreadLocal", hidden=8, hsdp=True),
 }
+WORLD = 4
 
 
 class Gather:
@@ -56,20 +69,28 @@ class Net(nn.Module):
 
 
 def _wrap_weights(model: Net, cls: type) -> None:
+    make = getattr(cls, "make", cls)
     for layer in (model.fc1, model.fc2):
-        layer.weight = nn.Parameter(cls(layer.weight.detach().clone()))
+        layer.weight = nn.Parameter(make(layer.weight.detach().clone()))
+
+
+# Ranks that are threads of one process (``test_threaded``) share the random generator.
+INIT_LOCK = threading.Lock()
 
 
 def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    torch.manual_seed(0)
-    ref, model = Net(cfg["hidden"]).double(), Net(cfg["hidden"]).double()
+    with INIT_LOCK:
+        torch.manual_seed(0)
+        ref, model = Net(cfg["hidden"]).double(), Net(cfg["hidden"]).double()
     model.load_state_dict(ref.state_dict())
     cls = getattr(_subclass, cfg["cls"])
     _wrap_weights(model, cls)
     mp = lib.MixedPrecisionPolicy(param_dtype=torch.float32) if cfg.get("mp") else lib.MixedPrecisionPolicy()
+    shape, names = ((2, world // 2), ("replicate", "shard")) if cfg.get("hsdp") else ((world,), ("dp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     for layer in (model.fc1, model.fc2):
-        lib.fully_shard(layer, reshard_after_forward=cfg.get("raf", True), mp_policy=mp)
-    lib.fully_shard(model, mp_policy=mp)
+        lib.fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.get("raf", True), mp_policy=mp)
+    lib.fully_shard(model, mesh=mesh, mp_policy=mp)
     gather = Gather()
     if cfg.get("custom"):
         for layer in (model.fc1, model.fc2):
@@ -78,6 +99,7 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     _subclass.calls.update(pre=0, post=0, post_out=0)
+    _subclass.seen.meshes = []
     for step in range(3):
         ids, targets = batch(step, 2 * world)
         loss_fn(ref(ids), targets).backward()
@@ -87,7 +109,12 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
             o.zero_grad()
     got, want = full_params(model), full_params(ref)
     worst = max((_plain(got[n]) - want[n]).abs().max().item() for n in want)
+    pairs = [got[n] for n in want if isinstance(got[n], _subclass.Pair)]
+    meshes = getattr(_subclass.seen, "meshes", [])
     return {
+        "pair_gap": max(((t.a - t.b).abs().max().item() for t in pairs), default=0.0),  # a == b throughout
+        # (hook calls seen on this thread, 1-D meshes of the shard dim's size among them)
+        "thread_meshes": (len(meshes), sum(m.ndim == 1 and m.size() == shape[-1] for m in meshes)),
         "worst": worst,
         "kept_class": kept_class and all(type(layer.weight.to_local()) is cls for layer in (model.fc1, model.fc2)),
         "calls": dict(_subclass.calls),
@@ -97,6 +124,8 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, _subclass.Pair):
+        return t.a
     return t._inner if isinstance(t, _subclass.Doubled) else t
 
 
@@ -106,7 +135,7 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
 
 @functools.cache
 def _spawned() -> list[dict[str, dict[str, Any]]]:
-    return run_ranks(_worker, 2)
+    return run_ranks(_worker, WORLD)
 
 
 @pytest.mark.parametrize("lib_name", LIBS)
@@ -118,5 +147,8 @@ def test_subclass_all_gather_extension(lib_name: str, case: str) -> None:
         assert res["kept_class"], res
         calls = res["calls"]
         assert calls["pre"] >= 3 * 2 and calls["post"] + calls["post_out"] == calls["pre"], res
+        assert res["pair_gap"] == 0, res
+        if CASES[case]["cls"] == "ThreadLocal":
+            assert res["thread_meshes"] == (calls["pre"], calls["pre"]), res
         if CASES[case].get("custom"):
             assert res["custom_bytes"] >= 2 * 8 * 6 * 16, res  # fc1's values (f64) and tags (i64), 2 ranks

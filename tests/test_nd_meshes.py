@@ -34,6 +34,9 @@ def _shard_last_where_even(p: torch.nn.Parameter) -> Shard | None:
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "hsdp": dict(hsdp=True),
+    # A 2-D mesh without names: dims taken by position as (replicate, shard); torch 2.13
+    # refuses it ("Please init the 2D mesh for HSDP with mesh_dim_names specified").
+    "hsdp_unnamed": dict(hsdp=True, unnamed=True, torch=False),
     "hsdp_accumulate_without_all_reduce": dict(hsdp=True, micro=2, all_reduce_last_only=True),
     "hsdp_no_sync": dict(hsdp=True, micro=2, sync_last_only=True),
     "shard_1": dict(placement=_shard_1, model=EVEN),
@@ -51,7 +54,8 @@ def _run(cfg: dict[str, Any], lib: Any, rank: int, scalar_gate: bool) -> dict[st
     model = ToyModel(**cfg.get("model", {}), scalar_gate=scalar_gate).double()
     model.load_state_dict(ref.state_dict())
     if cfg.get("hsdp"):
-        mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+        names = None if cfg.get("unnamed") else ("replicate", "shard")
+        mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=names)
     else:
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     kwargs = dict(mesh=mesh, shard_placement_fn=cfg.get("placement"), reshard_after_forward=cfg.get("raf", True))
@@ -104,7 +108,7 @@ IN_PLACE_NAMES = [n for n, c in CONFIGS.items() if "placement" not in c]
 
 def _all_libs(rank: int, world: int) -> dict[str, dict[str, Any]]:
     """Every library in one set of ranks (spawning them costs more than the runs)."""
-    torch_names = [n for n, c in CONFIGS.items() if c.get("torch", True)] + ["shard_1_uneven"]
+    torch_names = [n for n, c in CONFIGS.items() if c.get("torch", True)] + ["shard_1_uneven", "hsdp_unnamed"]
     return {
         "fsdp2": _worker(rank, world, "fsdp2", list(CONFIGS)),
         "torch": _worker(rank, world, "torch", torch_names),
@@ -151,3 +155,6 @@ def test_hsdp_placements_and_uneven_other_dims_beyond_torch() -> None:
     assert out["hsdp"]["placements"]["blocks.0.gate"] == (Replicate(), Replicate())
     assert out["shard_1_uneven"]["placements"]["blocks.0.fc2.weight"] == (Shard(1),)
     assert "uneven sharding" in _results("torch")[0]["shard_1_uneven"]  # torch refuses it
+    assert out["hsdp_unnamed"]["placements"] == out["hsdp"]["placements"]
+    assert out["hsdp_unnamed"]["counts"] == out["hsdp"]["counts"]
+    assert "mesh_dim_names" in _results("torch")[0]["hsdp_unnamed"]  # torch refuses it

@@ -27,6 +27,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "reshard_none": dict(reshard_after_forward=None),
     "reshard_int": dict(reshard_after_forward=2, min_world=4),
     "unused_params": dict(unused_every_other=True),
+    # set_reduce_scatter_unused_params(True): unused parameters get zero gradients (so AdamW
+    # decays them), not None
+    "unused_zero_grads": dict(unused_every_other=True, zero_unused=True),
     "frozen": dict(frozen=True),
     "meta_init": dict(meta=True),
     "grad_accum": dict(micro_batches=2),
@@ -57,6 +60,8 @@ def _build(cfg: dict[str, Any], lib: Any, scalar_gate: bool, rank: int, world: i
         for block in model.blocks:
             lib.fully_shard(block, **shard_kwargs)
     lib.fully_shard(model, **(shard_kwargs if shard_kwargs["reshard_after_forward"] is not True else {}))
+    if cfg.get("zero_unused"):
+        model.set_reduce_scatter_unused_params(True)
     if cfg.get("meta"):
         model.to_empty(device="cpu")
         copy_full_into_sharded(model, init, rank, world)
@@ -90,6 +95,12 @@ def _run_config(cfg: dict[str, Any], lib: Any, scalar_gate: bool, rank: int, wor
                 loss = loss_fn(model(local_ids, use_extra), local_tg) / micro
             loss.backward()
             mine += loss.detach()
+        if cfg.get("zero_unused"):
+            for p in ref.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+            assert not missing, f"no gradient for {missing}"
         torch.distributed.all_reduce(mine)
         worst_loss = max(worst_loss, abs(mine.item() / world - ref_loss.item()))
         for o in (opt, ref_opt):
