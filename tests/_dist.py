@@ -1,4 +1,4 @@
-"""A small multi-process test helper: spawn W gloo ranks on CPU, collect results.
+"""A small multi-process test helper: start W gloo ranks on CPU, collect results.
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
 ``world_size`` spawned processes joined in one gloo process group, and returns the list
@@ -35,16 +35,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, results: Any, args: tuple) -> None:
+def _entry(env: dict[str, str], call: bytes, rank: int, world: int, port: int, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    # The caller's environment as it is now (the fork server's is from when it started),
+    # set before the function and its module (and fsdp2, which reads some variables at
+    # import) are unpickled.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(call)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         value = fn(rank, world, *args)
         # Pickled here, by value: a tensor put on the queue as is would travel as shared
@@ -57,12 +63,22 @@ def _entry(fn: Callable, rank: int, world: int, port: int, results: Any, args: t
             dist.destroy_process_group()
 
 
+def _context() -> Any:
+    """Ranks start from a fork server that imported torch once (a fresh interpreter per
+    rank would import it again: seconds of CPU per rank, most of a small test). fsdp2 is
+    not preloaded: each rank imports it under the caller's environment."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+    return ctx
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
+    call = pickle.dumps((fn, args))
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args), daemon=True)
+        ctx.Process(target=_entry, args=(dict(os.environ), call, r, world_size, port, results), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
