@@ -4,6 +4,7 @@ from ._state_dict import StateDictError
 from ._knobs import share_comm_ctx
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from . import optim
 
 __all__ = [
     "CPUOffloadPolicy",
