@@ -5,6 +5,7 @@ from ._knobs import share_comm_ctx
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from . import optim
+from .optim import clip_grad_norm_
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -14,6 +15,7 @@ __all__ = [
     "OffloadPolicy",
     "StateDictError",
     "UnshardHandle",
+    "clip_grad_norm_",
     "fully_shard",
     "register_fsdp_forward_method",
     "share_comm_ctx",

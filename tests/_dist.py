@@ -72,8 +72,12 @@ def _context() -> Any:
     return ctx
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
-    ctx = _context()
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, fresh: bool = False
+) -> list[Any]:
+    """``fresh``: each rank a new interpreter (spawn), for measurements of a process's
+    own memory (the fork server's allocator and pages would be counted otherwise)."""
+    ctx = mp.get_context("spawn") if fresh else _context()
     call = pickle.dumps((fn, args))
     results = ctx.Queue()
     port = free_port()

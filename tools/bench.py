@@ -11,6 +11,11 @@
   process baseline, each implementation in its own processes (a process' peak RSS cannot
   be split between two models), built on the meta device so no full copy inflates it.
 * local (world 1): fsdp2 against plain local training of the same model.
+* optim (world 4 for Muon, 2 for clipping): ``fsdp2.optim.Muon`` on an fsdp2 model
+  against ``torch.optim.Muon`` on torch's (4 blocks of a 256x512 and a 512x256 matrix):
+  median optimizer step, Newton-Schulz FLOPs per rank, collectives per step; and
+  ``fsdp2.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_`` on the deep
+  model (1-D, where torch's works): median time of one call.
 
 Collectives are counted by wrapping the ``torch.distributed`` functions both libraries
 call; bytes are the logical payload: all-gather output, reduce-scatter input (fsdp2 on
@@ -139,7 +144,7 @@ def bench_memory(name: str, steps: int) -> None:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # fixed threshold: RSS follows live tensors
     peaks = {}
     for lib in ("torch", "fsdp2"):
-        peaks[lib] = max(run_ranks(_memory_worker, spec["world"], name, lib, steps, timeout=1800))
+        peaks[lib] = max(run_ranks(_memory_worker, spec["world"], name, lib, steps, timeout=1800, fresh=True))
     n_params = sum(p.numel() for p in Transformer(copy.deepcopy(spec["args"])).parameters())
     print(f"\n== {name}: {n_params / 1e6:.1f}M params, world {spec['world']}, AdamW, {steps} steps")
     for lib, mb in peaks.items():
@@ -147,15 +152,111 @@ def bench_memory(name: str, steps: int) -> None:
     print(f"  ratio fsdp2/torch peak memory: {peaks['fsdp2'] / peaks['torch']:.3f}")
 
 
+class _MuonNet(torch.nn.Module):
+    """The issue's model: 4 blocks of a 256x512 and a 512x256 matrix, a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.ReLU(), torch.nn.Linear(512, 256, bias=False))
+            for _ in range(4)
+        )
+        self.norm = torch.nn.LayerNorm(256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.norm(x)
+
+
+def _muon_worker(rank: int, world: int, steps: int) -> dict:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import fsdp2
+    import torch.distributed.fsdp as torch_fsdp
+
+    built = {}
+    for lib_name, lib, muon_cls in (("torch", torch_fsdp, torch.optim.Muon), ("fsdp2", fsdp2, fsdp2.optim.Muon)):
+        torch.manual_seed(0)
+        model = _MuonNet()
+        for block in model.blocks:
+            lib.fully_shard(block)
+        lib.fully_shard(model)
+        matrices = [p for p in model.parameters() if p.dim() == 2]
+        built[lib_name] = (model, muon_cls(matrices, lr=0.02))
+    gen = torch.Generator().manual_seed(rank)
+    times: dict[str, list[float]] = {lib: [] for lib in built}
+    flops, comms = {}, {}
+    for i in range(steps + 1):
+        x = torch.randn(8, 256, generator=gen)
+        for lib in (list(built) if i % 2 == 0 else list(built)[::-1]):
+            model, opt = built[lib]
+            model(x).square().mean().backward()
+            dist.barrier()
+            start = time.perf_counter()
+            if i == 0:  # warm-up step, counted
+                with FlopCounterMode(display=False) as fc, CommCounter().active() as counter:
+                    opt.step()
+                flops[lib], comms[lib] = fc.get_total_flops(), sum(counter.calls.values())
+            else:
+                opt.step()
+                times[lib].append(time.perf_counter() - start)
+            opt.zero_grad()
+    return {"times": times, "flops": flops, "comms": comms}
+
+
+def _clip_worker(rank: int, world: int, steps: int) -> dict:
+    import fsdp2
+
+    spec = MODELS["deep"]
+    fns = {"torch": torch.nn.utils.clip_grad_norm_, "fsdp2": fsdp2.clip_grad_norm_}
+    built = {}
+    for lib in fns:
+        torch.manual_seed(0)
+        model, _ = build(lib, spec)
+        tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=torch.Generator().manual_seed(rank))
+        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        built[lib] = model
+    times: dict[str, list[float]] = {lib: [] for lib in fns}
+    norms = {}
+    for i in range(steps + 2):
+        for lib in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            dist.barrier()
+            start = time.perf_counter()
+            norm = fns[lib](built[lib].parameters(), 1e9)  # max_norm above the norm: nothing changes
+            norms[lib] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            if i >= 2:
+                times[lib].append(time.perf_counter() - start)
+    return {"times": times, "norms": norms}
+
+
+def bench_optim(steps: int) -> None:
+    res = run_ranks(_muon_worker, 4, steps, timeout=1800)
+    med = {lib: statistics.median(t for r in res for t in r["times"][lib]) * 1e3 for lib in ("torch", "fsdp2")}
+    print(f"\n== optim: Muon on 4 blocks of 256x512 + 512x256 (world 4), {steps} steps")
+    for lib in ("torch", "fsdp2"):
+        gflop = max(r["flops"][lib] for r in res) / 1e9
+        print(f"  {lib:6s} median Muon step {med[lib]:8.2f} ms | {gflop:.2f} GFLOP per rank | {res[0]['comms'][lib]} c10d collectives")
+    print(f"  ratio fsdp2/torch Muon step time: {med['fsdp2'] / med['torch']:.3f}")
+    res = run_ranks(_clip_worker, 2, steps, timeout=1800)
+    med = {lib: statistics.median(t for r in res for t in r["times"][lib]) * 1e3 for lib in ("torch", "fsdp2")}
+    print(f"== optim: clip_grad_norm_ on deep (world 2), {steps} calls")
+    for lib in ("torch", "fsdp2"):
+        print(f"  {lib:6s} median clip_grad_norm_ {med[lib]:8.3f} ms | norm {res[0]['norms'][lib]:.6f}")
+    print(f"  ratio fsdp2/torch clip_grad_norm_ time: {med['fsdp2'] / med['torch']:.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["deep", "wide", "big", "local", "all"], default="all")
+    p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "all"], default="all")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    names = ["deep", "wide", "local", "big"] if args.model == "all" else [args.model]
+    names = ["deep", "wide", "local", "big", "optim"] if args.model == "all" else [args.model]
     for name in names:
-        if name == "big":
+        if name == "optim":
+            bench_optim(args.steps)
+        elif name == "big":
             bench_memory(name, steps=3)
         else:
             bench_speed(name, args.steps, args.warmup)

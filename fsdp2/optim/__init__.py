@@ -2,6 +2,7 @@
 ``MatrixOwners`` for your own), and gradient clipping across any mesh."""
 
 from ._owners import MatrixOwners
+from .clip import clip_grad_norm_
 from .muon import Muon
 
-__all__ = ["MatrixOwners", "Muon"]
+__all__ = ["MatrixOwners", "Muon", "clip_grad_norm_"]

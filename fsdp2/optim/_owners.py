@@ -118,21 +118,42 @@ class Exchange(NamedTuple):
 def plan(p: DTensor) -> tuple[Exchange, Matrix]:
     """The exchange group of ``p`` and where each member's piece sits."""
     mesh, placements = p.device_mesh, tuple(p.placements)
-    sharded = [i for i, pl in enumerate(placements) if isinstance(pl, (Shard, _StridedShard))]
-    coord = list(mesh.get_coordinate())
-    sizes = [mesh.size(i) for i in sharded]
-    members = []
-    for k in range(math.prod(sizes)):
-        c = list(coord)
-        for i, s in zip(reversed(sharded), reversed(_unravel(k, sizes))):
-            c[i] = s
-        members.append(c)
+    sharded = sharded_dims(placements)
+    members = _members(mesh, sharded)
     mesh_shape = tuple(mesh.mesh.shape)
     pieces = [Piece.of(block_indices(p.shape, mesh_shape, c, placements)) for c in members]
     ranks = tuple(int(mesh.mesh[tuple(c)]) for c in members)
     m, n = p.shape[0], p.shape[1] if p.dim() > 1 else 1
     matrix = Matrix(tuple(p.shape), pieces, m * n * min(m, n))
     return Exchange(_group(mesh, sharded, ranks), ranks, ranks.index(dist.get_rank())), matrix
+
+
+def sharded_dims(placements: Sequence[Placement]) -> list[int]:
+    """The mesh dims a DTensor is split over (the others hold copies, or partial sums)."""
+    return [i for i, pl in enumerate(placements) if isinstance(pl, (Shard, _StridedShard))]
+
+
+def sharded_group(mesh: object, placements: Sequence[Placement]) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+    """The process group over the ranks holding different pieces of a DTensor with these
+    placements (None when this rank holds it whole), and those ranks."""
+    sharded = sharded_dims(placements)
+    if not sharded:
+        return None, (dist.get_rank(),)
+    ranks = tuple(int(mesh.mesh[tuple(c)]) for c in _members(mesh, sharded))  # type: ignore[attr-defined]
+    return _group(mesh, sharded, ranks), ranks
+
+
+def _members(mesh: object, sharded: list[int]) -> list[list[int]]:
+    """The mesh coordinates of the ranks that differ from this one on ``sharded`` dims only."""
+    coord = list(mesh.get_coordinate())  # type: ignore[attr-defined]
+    sizes = [mesh.size(i) for i in sharded]  # type: ignore[attr-defined]
+    members = []
+    for k in range(math.prod(sizes)):
+        c = list(coord)
+        for i, s in zip(sharded, _unravel(k, sizes)):
+            c[i] = s
+        members.append(c)
+    return members
 
 
 def _unravel(k: int, sizes: list[int]) -> list[int]:

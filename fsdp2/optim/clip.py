@@ -1,0 +1,139 @@
+"""Gradient clipping across any mesh, on local shards.
+
+``torch.nn.utils.clip_grad_norm_`` on DTensor gradients computes each norm through
+DTensor and stacks them, which fails once gradients live on different meshes (FSDP over
+TP: the blocks on ``(dp, tp)``, a final norm on ``dp`` only) and cannot see other
+pipeline stages. Here:
+
+  Phase 1  each gradient's local tensor contributes ``sum |x|^p`` (``max |x|`` for
+           ``inf``), grouped by the ranks that hold different pieces of it (the mesh
+           dims where it is sharded; replicas hold copies and are counted once);
+  Phase 2  one all-reduce per distinct group of ranks, then, with ``pp_mesh``, one over
+           the pipeline stages: every rank has the same total norm;
+  Phase 3  every local gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial
+
+from .._collectives import traced
+from ._owners import sharded_group
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    pp_mesh: object | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` to a total ``norm_type``-norm of
+    ``max_norm``, and return that total norm (before clipping) as a plain tensor, the
+    same on every rank. torch's signature; ``pp_mesh`` (a 1-D DeviceMesh over the
+    pipeline stages) makes the norm span the stages. Gradients may be DTensors on any
+    meshes (FSDP, HSDP, FSDP over TP, ``Shard(d)``) or plain tensors (taken as
+    replicated); ``foreach`` is accepted for compatibility (local norms always use the
+    foreach kernels)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    norm_type = float(norm_type)
+    if not (norm_type >= 0 or norm_type == -math.inf) or norm_type == -math.inf:
+        raise ValueError(f"clip_grad_norm_: norm_type must be >= 0 or inf, got {norm_type}")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    # Phase 1: local contributions, by the ranks that hold different pieces.
+    by_group: dict[tuple[int, ...], tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
+    groups: dict[Any, tuple[dist.ProcessGroup | None, tuple[int, ...]]] = {}  # see _group_of
+    for g in grads:
+        if isinstance(g, DTensor):
+            spec = g._spec
+            found = groups.get((id(spec.mesh), spec.placements)) or _group_of(spec, groups)
+            local, (group, ranks) = g._local_tensor, found
+        else:
+            local, group, ranks = g, None, ()
+        entry = by_group.get(ranks)
+        if entry is None:
+            entry = by_group[ranks] = (group, [])
+        entry[1].append(local)
+    locals_ = [t for _, ts in by_group.values() for t in ts]
+    device = locals_[0].device if locals_ else torch.device("cpu")
+    dtype = _acc_dtype(locals_)
+    total = torch.zeros((), dtype=dtype, device=device)
+    # Phase 2: one all-reduce per group of ranks, then over the pipeline stages.
+    with traced("fsdp2::grad_norm"):
+        for group, ts in by_group.values():
+            part = _combine_local(ts, norm_type, dtype, device)
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(part, op=_op(norm_type), group=group)
+            total = torch.maximum(total, part) if norm_type == math.inf else total + part
+        if pp_mesh is not None:
+            dist.all_reduce(total, op=_op(norm_type), group=pp_mesh.get_group())  # type: ignore[attr-defined]
+    if norm_type not in (0.0, 1.0, math.inf):
+        total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    # Phase 3: scale the local gradients.
+    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in locals_:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad(), traced("fsdp2::clip_grads"):
+        for (dev, dt), ts in by_kind.items():
+            torch._foreach_mul_(ts, coef.to(device=dev, dtype=dt))
+    return total
+
+
+def _group_of(spec: Any, seen: dict[Any, tuple[dist.ProcessGroup | None, tuple[int, ...]]]) -> tuple:
+    """The group of ranks holding the other pieces of a gradient laid out as ``spec``
+    (None and no ranks when it is whole here), cached in ``seen`` by layout: most
+    gradients share one, and comparing meshes costs more than the rest."""
+    if any(isinstance(pl, Partial) for pl in spec.placements):
+        raise ValueError(
+            f"clip_grad_norm_: a gradient has placements {tuple(spec.placements)}; Partial gradients are "
+            "not reduced yet, so their norm is not known: clip after they are reduced"
+        )
+    group, ranks = sharded_group(spec.mesh, spec.placements)
+    found = seen[(id(spec.mesh), spec.placements)] = (group, ranks if group is not None else ())
+    return found
+
+
+def _acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    """Sum norms in the widest floating dtype among the gradients, float32 at least."""
+    dtype = torch.float32
+    for t in tensors:
+        if t.dtype.is_floating_point and t.dtype.itemsize > dtype.itemsize:
+            dtype = t.dtype
+    return dtype
+
+
+def _combine_local(ts: list[torch.Tensor], p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``sum |x|^p`` over the tensors (a count for ``p=0``, ``max |x|`` for ``inf``)."""
+    ts = [t for t in ts if t.numel()]  # a trailing rank's empty shard adds nothing
+    if not ts:
+        return torch.zeros((), dtype=dtype, device=device)
+    norms = torch._foreach_norm(ts, p)
+    try:
+        norms = torch.stack(norms).to(device=device, dtype=dtype)  # one dtype and device: the usual case
+    except RuntimeError:
+        norms = torch.stack([n.to(device=device, dtype=dtype) for n in norms])
+    if p == math.inf:
+        return norms.max()
+    if p in (0.0, 1.0):
+        return norms.sum()
+    return norms.pow(p).sum()
+
+
+def _op(p: float) -> dist.ReduceOp:
+    return dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
