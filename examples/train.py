@@ -5,6 +5,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py --pp 2           # pp 2 x dp 2
     torchrun --standalone --nproc-per-node 4 examples/train.py --tp 2           # dp 2 x tp 2
     torchrun --standalone --nproc-per-node 4 examples/train.py --hsdp 2         # HSDP: 2 replicas x 2 shards
+    torchrun --standalone --nproc-per-node 2 examples/train.py --optim muon --clip 1.0
 
 CPU + gloo by default; GPUs + NCCL when CUDA is available (one GPU per rank).
 Each block is its own fsdp2 group, plus the root (embeddings, final norm, output).
@@ -30,6 +31,11 @@ losses agree with a plain run on world/N ranks. ``--hsdp N`` shards over a
 (replicate N, shard world/N) mesh instead of a flat one (HSDP: reduce-scatter within a
 replica, all-reduce across replicas); the data is the plain run's on the same world.
 Both together make a (replicate, shard, tp) mesh. Neither combines with ``--pp``.
+
+``--optim muon`` trains the blocks' matrices with ``fsdp2.optim.Muon`` (each matrix
+orthogonalized once, by one rank) and the rest with AdamW; ``--clip X`` clips the total
+gradient norm with ``fsdp2.clip_grad_norm_`` (across tensor-parallel meshes and pipeline
+stages). Both combine with ``--tp``, ``--hsdp``, ``--pp`` and checkpoints.
 
 Checkpointing: ``--ckpt-dir DIR --save-every N`` saves model, optimizer, step and RNG
 with torch.distributed.checkpoint into ``DIR/step-NNNNNN`` (written to a temporary
@@ -96,6 +102,9 @@ def parse_args() -> argparse.Namespace:
                    help="tensor-parallel degree: a (dp world/N, tp N) mesh, torchtitan's Llama plan")
     p.add_argument("--hsdp", type=int, default=1,
                    help="HSDP replicas: fully_shard over a (replicate N, shard world/N) mesh")
+    p.add_argument("--optim", choices=["adamw", "muon"], default="adamw",
+                   help="muon: Muon on the blocks' matrices, AdamW on the rest")
+    p.add_argument("--clip", type=float, default=0.0, help="clip the gradients' total norm to this (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here and resume from the latest")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (needs --ckpt-dir)")
@@ -137,19 +146,19 @@ def _state_dict_options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def checkpoint_state(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> dict:
+def checkpoint_state(model: torch.nn.Module, optims: list[torch.optim.Optimizer], step: int) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     rank = dist.get_rank()
     return {
         "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optim, options=_state_dict_options()),
+        "optim": get_optimizer_state_dict(model, optims, options=_state_dict_options()),
         "progress": {"step": step},  # the data position: batches are a function of the step
         f"rng_rank{rank}": torch.get_rng_state(),
     }
 
 
-def save_checkpoint(ckpt_dir: str, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+def save_checkpoint(ckpt_dir: str, model: torch.nn.Module, optims: list[torch.optim.Optimizer], step: int) -> None:
     import torch.distributed.checkpoint as dcp
 
     final = os.path.join(ckpt_dir, f"step-{step:06d}")
@@ -157,7 +166,7 @@ def save_checkpoint(ckpt_dir: str, model: torch.nn.Module, optim: torch.optim.Op
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    dcp.save(checkpoint_state(model, optim, step), checkpoint_id=tmp)
+    dcp.save(checkpoint_state(model, optims, step), checkpoint_id=tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -172,15 +181,15 @@ def latest_checkpoint(ckpt_dir: str) -> str | None:
     return os.path.join(ckpt_dir, steps[-1]) if steps else None
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, optim: torch.optim.Optimizer) -> int:
+def load_checkpoint(path: str, model: torch.nn.Module, optims: list[torch.optim.Optimizer]) -> int:
     """Restore everything; returns the step to continue from."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    state = checkpoint_state(model, optim, -1)
+    state = checkpoint_state(model, optims, -1)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optim, state["optim"], options=_state_dict_options())
+    set_optimizer_state_dict(model, optims, state["optim"], options=_state_dict_options())
     torch.set_rng_state(state[f"rng_rank{dist.get_rank()}"])
     return int(state["progress"]["step"]) + 1
 
@@ -244,6 +253,39 @@ class Trainer(NamedTuple):
     model: nn.Module  # every parameter this rank holds, under the full model's names
     train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]  # forward + backward, the loss
     data_rank: int  # which slice of the data this rank trains on
+    pp_mesh: Any = None  # the pipeline stages' mesh (--pp): gradient norms span it
+
+
+def make_optimizers(args: argparse.Namespace, model: nn.Module) -> list[torch.optim.Optimizer]:
+    """``--optim adamw``: AdamW on everything. ``--optim muon``: Muon on the blocks'
+    matrices (``fsdp2.optim.Muon``: each orthogonalized once, by one rank; with ``--impl
+    torch``, ``torch.optim.Muon``), AdamW on the rest (embeddings, output, norms)."""
+    if args.optim == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)]
+    named = list(model.named_parameters())
+    matrices = [p for n, p in named if p.dim() == 2 and n.startswith("layers.")]
+    rest = [p for n, p in named if not (p.dim() == 2 and n.startswith("layers."))]
+    if args.impl == "fsdp2":
+        from fsdp2.optim import Muon
+    else:
+        Muon = torch.optim.Muon  # noqa: N806
+    # "match_rms_adamw" scales Muon's update to AdamW's size, so both take --lr.
+    muon = Muon(matrices, lr=args.lr, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
+    return [muon, torch.optim.AdamW(rest, lr=args.lr, weight_decay=0.01)]
+
+
+def clip_gradients(args: argparse.Namespace, model: nn.Module, pp_mesh: Any) -> None:
+    """``--clip X``: scale the gradients to a total norm of at most X, over every rank
+    and pipeline stage (``fsdp2.clip_grad_norm_``; torch's own with ``--impl torch``,
+    which fails across tensor-parallel meshes and does not span pipeline stages)."""
+    if not args.clip:
+        return
+    if args.impl == "fsdp2":
+        from fsdp2 import clip_grad_norm_
+
+        clip_grad_norm_(model.parameters(), args.clip, pp_mesh=pp_mesh)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
 
 
 def checkpoint_blocks(model: Transformer, mode: str) -> None:
@@ -415,7 +457,7 @@ def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any
         schedule.step(*([inputs] if first else []), **kwargs)
         return torch.stack(losses).mean() if losses else None  # mean over micro-batches
 
-    return Trainer(_local_model(modules), train_step, mesh["dp"].get_local_rank())
+    return Trainer(_local_model(modules), train_step, mesh["dp"].get_local_rank(), mesh["pp"])
 
 
 def _local_model(stages: list[nn.Module]) -> nn.Module:
@@ -458,12 +500,13 @@ def main() -> None:
     )
     mp = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else lib.MixedPrecisionPolicy()
     build = build_pipeline if args.pp > 1 else build_plain
-    model, train_step, data_rank = build(args, margs, lib, mp, device)
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    model, train_step, data_rank, pp_mesh = build(args, margs, lib, mp, device)
+    optims = make_optimizers(args, model)
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"{args.impl}: {n_params / 1e6:.2f}M parameters on rank 0, world size {world}, pp {args.pp}, "
-              f"tp {args.tp}, hsdp {args.hsdp}, ac {args.ac}, compile {args.compile}, device {device.type}", flush=True)
+              f"tp {args.tp}, hsdp {args.hsdp}, ac {args.ac}, compile {args.compile}, optim {args.optim}, "
+              f"clip {args.clip}, device {device.type}", flush=True)
     # Tokens a step trains on, all data-parallel ranks together (a tp group shares its batch).
     step_tokens = args.batch_size * args.seq_len * world // (args.pp * args.tp)
     start_step = 0
@@ -473,7 +516,7 @@ def main() -> None:
         dist.barrier()
         latest = latest_checkpoint(args.ckpt_dir)
         if latest is not None:
-            start_step = load_checkpoint(latest, model, optim)
+            start_step = load_checkpoint(latest, model, optims)
             if rank == 0:
                 print(f"resumed from {latest} at step {start_step}", flush=True)
     for step in range(start_step, args.steps):
@@ -481,8 +524,10 @@ def main() -> None:
         inputs, targets = synthetic_batch(step, data_rank, args, device)
         start = time.perf_counter()
         loss = train_step(inputs, targets)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+        clip_gradients(args, model, pp_mesh)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -493,7 +538,7 @@ def main() -> None:
             flush=True,
         )
         if args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(args.ckpt_dir, model, optim, step)
+            save_checkpoint(args.ckpt_dir, model, optims, step)
     if args.final_params:
         save_full_params(model, args.final_params, args.pp)
     dist.barrier()

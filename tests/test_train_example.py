@@ -130,3 +130,34 @@ def test_tensor_parallel_and_hsdp_train_like_the_plain_run(tmp_path, plain_run) 
             torch.testing.assert_close(
                 got_params[k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k, name=name: f"{name}: {k}: {m}"
             )
+
+
+MUON = ["--optim", "muon", "--clip", "0.5"]
+
+
+def test_muon_and_clipping_across_layouts_and_a_restart(tmp_path) -> None:  # noqa: ANN001
+    """``--optim muon --clip 0.5`` (fsdp2.optim.Muon on the blocks' matrices, AdamW on the
+    rest, fsdp2.clip_grad_norm_): ``--tp 2 --hsdp 2`` (2 replicas x 1 shard x tp 2, the
+    norm across two meshes) and ``--pp 2`` (the norm across stages) print the 2-rank run's
+    losses; a rank killed at step 5 restarts from the step-3 checkpoint (Muon's momentum
+    with it) and ends with the uninterrupted run's parameters, bit for bit."""
+    plain = _losses(_torchrun(*FLAG_RUN, *MUON))
+    assert len(plain) == 6, plain
+    runs = {
+        "tp 2, hsdp 2": _torchrun(*FLAG_RUN, *MUON, "--tp", "2", "--hsdp", "2", nproc=4),
+        "pp 2": _torchrun(*FLAG_RUN, *MUON, "--pp", "2", "--microbatches", "2", nproc=4),
+    }
+    for name, log in runs.items():
+        assert "optim muon, clip 0.5" in log
+        got = _losses(log)
+        assert got.keys() == plain.keys(), (name, got)
+        for key, loss in plain.items():
+            assert abs(got[key] - loss) < 5e-4, (name, key, got[key], loss)
+    clean, crashed, ckpt = (str(tmp_path / n) for n in ("clean.pt", "crashed.pt", "ckpt"))
+    _torchrun("--steps", "7", *MUON, "--final-params", clean)
+    log = _torchrun(
+        "--steps", "7", *MUON, "--ckpt-dir", ckpt, "--save-every", "2", "--final-params", crashed,
+        env={"FSDP2_EXAMPLE_FAIL_AT": "5"}, restarts=1,
+    )
+    assert "resumed from" in log and "step-000003" in log
+    _same(clean, crashed)
