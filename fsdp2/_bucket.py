@@ -168,7 +168,7 @@ class FlatBucket:
 
     def optimizer_flat_alias(self) -> torch.Tensor:
         """A plain tensor sharing the sharded flat buffer, stepped by the optimizer in
-        place of all of this bucket's parameters (``fsdp2._optim``)."""
+        place of all of this bucket's parameters (``fsdp2.optim.local_step``)."""
         if self._flat_alias is None or self._flat_alias[0] is not self.sharded_flat:
             self._flat_alias = (self.sharded_flat, self.sharded_flat.detach())
         return self._flat_alias[1]

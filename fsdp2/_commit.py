@@ -4,7 +4,7 @@ Commits accumulate into existing gradients (gradient accumulation) and keep ``.g
 a DTensor laid out like the parameter. When one commit gives every parameter of a
 bucket a fresh gradient laid out like the shards, the flat tensor behind them is
 remembered (weakly), so the optimizer can step the bucket as one tensor while each
-``.grad`` is still one of those (``fsdp2._optim``).
+``.grad`` is still one of those (``fsdp2.optim.local_step``).
 """
 
 from __future__ import annotations

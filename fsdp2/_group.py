@@ -138,6 +138,9 @@ class ParamGroup:
         self.ctx: RootContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
         self._checked_flats: list[torch.Tensor] = []  # sharded flats found materialized
+        # Weak refs to optimizers whose fast-path step over this group is not undone yet
+        # (it raised): the root's next forward undoes it (``optim.local_step``).
+        self.unfinished_steps: list[weakref.ref] = []
         # Parameters an earlier call on a sibling module manages: raised at lazy init.
         self.shared_elsewhere: list[SharedParam] = []
 

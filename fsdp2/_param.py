@@ -169,7 +169,7 @@ class FSDPParam:
 
     def optimizer_alias(self, local: torch.Tensor) -> torch.Tensor:
         """A plain tensor sharing ``local``'s data, stepped by the optimizer in its place
-        (``fsdp2._optim``); made once per local shard."""
+        (``fsdp2.optim.local_step``); made once per local shard."""
         if self._alias is None or self._alias[0] is not local:
             self._alias = (local, local.detach())
         return self._alias[1]

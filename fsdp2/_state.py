@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from . import _optim
 from ._bucket import FlatBucket
 from ._group import ParamGroup, ShardState, TrainingState
 from ._shared import raise_deferred
+from .optim import local_step
 
 # Reduce-scatters allowed in flight before the oldest is waited for: bounds the
 # pooled reduce buffers alive at once (each holds a full unsharded gradient) while
@@ -68,8 +68,8 @@ class FSDPState:
         if ctx is None:
             ctx = RootContext.lazy_init(self)
         if ctx.root is self.group:
-            if _optim._ACTIVE:
-                _optim.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
+            if any(g.unfinished_steps for g in ctx.groups):
+                local_step.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
             ctx.start_iteration()
         if not ctx.in_backward:  # a recompute may stop early, without its post_forward
             ctx.active_forwards += 1

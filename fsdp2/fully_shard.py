@@ -20,9 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _classes, _optim
+from . import _classes
 from ._group import ParamGroup, ShardState, TrainingState
 from ._knobs import CommKnobs, check_bool
 from ._mesh import MeshInfo, SpmdDims, mesh_device, shard_size
@@ -30,12 +29,12 @@ from ._param import FSDPParam, sharded_owner, unsharded_owner
 from ._state import FSDPState
 from ._shared import SharedParam, find_under, shared_error
 from ._state_dict import register_state_dict_hooks, validate_state_dict
+from .optim import local_step
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 # id(original parameter) -> (weak refs to it and to the FSDPParam that replaced it): an
 # optimizer still holding one was created too early (checked at optimizer.step()).
 _REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[FSDPParam]]] = {}
-_OPTIMIZER_HOOK: list[Any] = []
 
 
 @overload
@@ -113,9 +112,7 @@ def fully_shard(
         fp.register_sharded()
         _remember(_REPLACED, id(original), (weakref.ref(original), weakref.ref(fp)))
     register_state_dict_hooks(fsdp_params)
-    if not _OPTIMIZER_HOOK:
-        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_pre_optimizer_step))
-        _OPTIMIZER_HOOK.append(_optim.register_post_hook())
+    local_step.install_hooks(_pre_optimizer_step)
     for m in modules:
         m.__dict__["_fsdp2_state"] = FSDPState(m, group)
         m.register_state_dict_pre_hook(functools.partial(_show_sharded_for_state_dict, weakref.ref(group)))
@@ -657,7 +654,7 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
         )
     for owner in gathered:
         owner.reshard_if_idle()
-    _optim.pre_step(optimizer, args, kwargs, sharded_owner)
+    local_step.pre_step(optimizer, args, kwargs, sharded_owner)
 
 
 def _walk_unmanaged(module: nn.Module, prefix: str = "") -> Iterator[tuple[nn.Module, str]]:

@@ -1,4 +1,4 @@
-"""Optimizer steps on local shards (``fsdp2._optim``): exact for every elementwise
+"""Optimizer steps on local shards (``fsdp2.optim.local_step``): exact for every elementwise
 ``torch.optim`` class, state kept as DTensors, the DTensor path wherever the fast
 path would not be exact, and nothing left swapped when a step raises."""
 
@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import fsdp2
 from _dist import cached_outcome, run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
-from fsdp2 import _optim
+from fsdp2.optim import _plan, local_step
+from fsdp2.optim import local_step_stats
 from fsdp2._param import sharded_owner as _managed_by
 
 STEPS = 4
@@ -73,7 +74,6 @@ def _parity(
     the buckets stepped as one flat tensor."""
     model, ref = _build(rank, world, scalar_gate)
     opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
-    before, flat_before = _optim.local_steps, _optim.flat_buckets
     for step in range(STEPS):
         _train_step(model, ref, step, rank, world, use_extra=not (unused_every_other and step % 2))
         for o in (opt, ref_opt):
@@ -86,7 +86,8 @@ def _parity(
         )
     _check_state(model, opt, ref, ref_opt)
     assert _padding_is_zero(model)
-    return {"fast": _optim.local_steps - before, "flat": _optim.flat_buckets - flat_before}
+    stats = local_step_stats(opt)
+    return {"fast": stats["local_steps"], "flat": stats["flat_buckets"]}
 
 
 def _padding_is_zero(model: nn.Module) -> bool:
@@ -200,7 +201,6 @@ def _worker_fallbacks(rank: int, world: int) -> dict[str, int]:
     # A closure may zero and recompute gradients inside step().
     model, ref = _build(rank, world)
     opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
-    before = _optim.local_steps
     for step in range(STEPS):
 
         def closure(m: nn.Module = model, r: nn.Module = ref, s: int = step) -> None:
@@ -213,20 +213,19 @@ def _worker_fallbacks(rank: int, world: int) -> dict[str, int]:
     got, want = full_params(model), full_params(ref)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
-    out["closure"] = _optim.local_steps - before
+    out["closure"] = local_step_stats(opt)["local_steps"]
 
     # A DTensor fsdp2 does not manage, in the same parameter group.
     model, _ = _build(rank, world)
     mesh = next(model.parameters()).device_mesh
     other = nn.Parameter(distribute_tensor(torch.ones(4, 3, dtype=torch.float64), mesh, [Shard(0)]))
     opt = adamw([*model.parameters(), other])
-    before = _optim.local_steps
     for step in range(STEPS):
         ids, targets = batch(step, PER_RANK_BATCH)
         (loss_fn(model(ids), targets) + other.to_local().sum()).backward()
         opt.step()
         opt.zero_grad()
-    out["foreign_dtensor"] = _optim.local_steps - before
+    out["foreign_dtensor"] = local_step_stats(opt)["local_steps"]
     # Planning a group that then falls back leaves no gradient on any alias.
     out["no_grad_left_on_aliases"] = all(
         fp._alias is None or fp._alias[1].grad is None for fp in map(_managed_by, model.parameters())
@@ -238,13 +237,12 @@ def _worker_fallbacks(rank: int, world: int) -> dict[str, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = torch.optim.SGD([*params, params[1]], lr=0.1, momentum=0.9)
-    before = _optim.local_steps
     for step in range(2):
         ids, targets = batch(step, PER_RANK_BATCH)
         loss_fn(model(ids), targets).backward()
         opt.step()
         opt.zero_grad()
-    out["duplicate"] = _optim.local_steps - before
+    out["duplicate"] = local_step_stats(opt)["local_steps"]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     for p in params:
         opt.state[p]["momentum_buffer"] = None  # as torch <= 2.2 saved momentum-free SGD
@@ -414,7 +412,7 @@ def test_a_step_in_flight_on_another_thread_is_left_alone() -> None:
 
 
 def _worker_disabled(rank: int, world: int) -> int:
-    with mock.patch.object(_optim, "ENABLED", False):
+    with mock.patch.object(local_step, "ENABLED", False):
         return _parity(rank, world, functools.partial(torch.optim.AdamW, lr=0.05))["fast"]
 
 
@@ -459,7 +457,7 @@ def _worker_rehome(rank: int, world: int) -> list[int]:
     model, ref = _build(rank, world, scalar_gate=False)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     alive: list[int] = []
-    original = _optim._rehome
+    original = _plan._rehome
 
     def checked(entries: list, key: Any, numel: int) -> torch.Tensor:
         old = [weakref.ref(s.locals[key]) for s in entries]
@@ -467,7 +465,7 @@ def _worker_rehome(rank: int, world: int) -> list[int]:
         alive.append(sum(r() is not None for r in old))
         return flat
 
-    with mock.patch.object(_optim, "_rehome", checked):
+    with mock.patch.object(_plan, "_rehome", checked):
         for step in range(2):
             _train_step(model, ref, step, rank, world)
             opt.step()
@@ -497,11 +495,11 @@ def _reuse_worker(rank: int, world: int) -> dict[str, Any]:
         if step == 6:  # one step count written: its bucket's parameters no longer agree
             for o, p in ((opt, model.blocks[0].fc1.weight), (ref_opt, ref.blocks[0].fc1.weight)):
                 o.state[p]["step"].fill_(7.0)
-        before = _optim.reused_plans
+        before = local_step_stats(opt)["reused_plans"]
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-        reused.append(_optim.reused_plans - before)
+        reused.append(local_step_stats(opt)["reused_plans"] - before)
     got, want = full_params(model), full_params(ref)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
