@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
 from .._collectives import traced
-from ._owners import sharded_group
+from ._pieces import sharded_group
 
 
 def clip_grad_norm_(

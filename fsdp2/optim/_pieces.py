@@ -1,0 +1,133 @@
+"""Where each rank's piece of a DTensor sits in the whole tensor, and the ranks that hold
+different pieces.
+
+Which global rows and columns a rank's local tensor holds follows from the placements,
+applied in mesh-dim order as DTensor applies them: ``Shard(d)`` takes the rank's
+``torch.chunk`` of the current indices; ``_StridedShard(d, sf)`` splits them into ``sf``
+pieces first (the chunks of the later mesh dims that shard ``d``) and takes the rank's
+chunk of each. Replicated mesh dims hold copies: the ranks holding different pieces are
+those along the sharded dims (``sharded_group``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .._rank import this_rank
+
+
+def chunk_indices(indices: torch.Tensor, n: int, rank: int) -> torch.Tensor:
+    """``torch.chunk(indices, n)[rank]``, empty where chunk gives fewer pieces."""
+    size = -(-indices.numel() // n) if indices.numel() else 0
+    return indices[rank * size : (rank + 1) * size]
+
+
+def block_indices(
+    shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Placement]
+) -> list[torch.Tensor]:
+    """Per tensor dim, the global indices (in local order) of the local tensor held at
+    mesh coordinate ``coord``."""
+    indices = [torch.arange(s) for s in shape]
+    for mesh_dim, pl in enumerate(placements):
+        if isinstance(pl, _StridedShard):
+            pieces = torch.chunk(indices[pl.dim], pl.split_factor) if indices[pl.dim].numel() else ()
+            parts = [chunk_indices(p, mesh_shape[mesh_dim], coord[mesh_dim]) for p in pieces]
+            indices[pl.dim] = torch.cat(parts) if parts else indices[pl.dim]
+        elif isinstance(pl, Shard):
+            indices[pl.dim] = chunk_indices(indices[pl.dim], mesh_shape[mesh_dim], coord[mesh_dim])
+    return indices
+
+
+class Piece(NamedTuple):
+    """Where one member's local tensor sits in the matrix: a contiguous range per dim
+    (``slices``) when it is one, else index tensors (``_StridedShard``)."""
+
+    slices: tuple[slice, ...] | None
+    index: tuple[torch.Tensor, ...]
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def of(index: list[torch.Tensor]) -> Piece:
+        shape = tuple(i.numel() for i in index)
+        slices: tuple[slice, ...] | None = tuple(_as_slice(i) for i in index)  # type: ignore[misc]
+        if slices is not None and any(s is None for s in slices):
+            slices = None
+        return Piece(slices, tuple(index), shape)
+
+    def write(self, full: torch.Tensor, flat: torch.Tensor) -> None:
+        value = flat.view(self.shape)
+        if self.slices is not None:
+            full[self.slices] = value
+        else:
+            full[torch.meshgrid(*self.index, indexing="ij")] = value
+
+    def read(self, full: torch.Tensor) -> torch.Tensor:
+        if self.slices is not None:
+            return full[self.slices].reshape(-1)
+        return full[torch.meshgrid(*self.index, indexing="ij")].reshape(-1)
+
+
+def _as_slice(index: torch.Tensor) -> slice | None:
+    if index.numel() == 0:
+        return slice(0, 0)
+    start = int(index[0])
+    stop = start + index.numel()
+    return slice(start, stop) if bool((index == torch.arange(start, stop)).all()) else None
+
+
+
+def sharded_dims(placements: Sequence[Placement]) -> list[int]:
+    """The mesh dims a DTensor is split over (the others hold copies, or partial sums)."""
+    return [i for i, pl in enumerate(placements) if isinstance(pl, (Shard, _StridedShard))]
+
+
+def sharded_group(mesh: object, placements: Sequence[Placement]) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+    """The process group over the ranks holding different pieces of a DTensor with these
+    placements (None when this rank holds it whole), and those ranks."""
+    sharded = sharded_dims(placements)
+    if not sharded:
+        return None, (dist.get_rank(),)
+    ranks = tuple(int(mesh.mesh[tuple(c)]) for c in members_along(mesh, sharded))  # type: ignore[attr-defined]
+    return group_over(mesh, sharded, ranks), ranks
+
+
+def members_along(mesh: object, sharded: list[int]) -> list[list[int]]:
+    """The mesh coordinates of the ranks that differ from this one on ``sharded`` dims only."""
+    coord = list(mesh.get_coordinate())  # type: ignore[attr-defined]
+    sizes = [mesh.size(i) for i in sharded]  # type: ignore[attr-defined]
+    members = []
+    for k in range(math.prod(sizes)):
+        c = list(coord)
+        for i, s in zip(sharded, _unravel(k, sizes)):
+            c[i] = s
+        members.append(c)
+    return members
+
+
+def _unravel(k: int, sizes: list[int]) -> list[int]:
+    out = []
+    for s in reversed(sizes):
+        out.append(k % s)
+        k //= s
+    return list(reversed(out))
+
+
+def group_over(mesh: object, sharded: list[int], ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group over ``ranks``: the mesh's own for one dim, else made once per
+    rank (by the member ranks only)."""
+    if len(sharded) == 1:
+        return mesh.get_group(sharded[0])  # type: ignore[attr-defined]
+    if len(sharded) == 0:
+        return mesh.get_group(0)  # type: ignore[attr-defined]  # one member: never communicates
+    backend = dist.get_backend(mesh.get_group(sharded[0]))  # type: ignore[attr-defined]
+    return this_rank().group(
+        ("owners", ranks, backend), lambda: dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+    )
+
