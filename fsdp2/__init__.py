@@ -4,7 +4,7 @@ from ._state_dict import StateDictError
 from ._knobs import share_comm_ctx
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from . import optim
+from . import optim  # noqa: F401 (fsdp2.optim.Muon after import fsdp2)
 from .optim import clip_grad_norm_
 
 __all__ = [
