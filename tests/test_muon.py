@@ -33,6 +33,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hsdp": dict(mesh=(2, 2), share=2),  # each replica orthogonalizes its own copy
     "dp_tp": dict(mesh=(2, 2), tp=True, share=4),  # the owner sees the matrix across dp and tp
     "shard_1": dict(mesh=(4,), placement=True, share=4, torch=False),  # uneven Shard(1): torch refuses
+    # Muon's other options, as torch applies them
+    "options": dict(mesh=(4,), share=4, muon=dict(nesterov=False, adjust_lr_fn="match_rms_adamw", weight_decay=0.2)),
 }
 
 
@@ -85,9 +87,10 @@ def _build(cfg: dict[str, Any], lib: Any) -> tuple[nn.Module, nn.Module]:
     return model, ref
 
 
-def _optimizers(model: nn.Module, muon_cls: type) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+def _optimizers(model: nn.Module, muon_cls: type, **options: Any) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
     named = list(model.named_parameters())
-    muon = muon_cls([p for n, p in named if _is_matrix(n)], lr=0.02, momentum=0.95, weight_decay=0.1)
+    options = {"weight_decay": 0.1, **options}
+    muon = muon_cls([p for n, p in named if _is_matrix(n)], lr=0.02, momentum=0.95, **options)
     adamw = torch.optim.AdamW([p for n, p in named if not _is_matrix(n)], lr=0.01)
     return muon, adamw
 
@@ -124,8 +127,8 @@ def _run(cfg: dict[str, Any], lib_name: str) -> dict[str, Any]:
     lib = impl(lib_name)
     model, ref = _build(cfg, lib)
     muon_cls = lib.optim.Muon if lib_name == "fsdp2" else torch.optim.Muon
-    muon, adamw = _optimizers(model, muon_cls)
-    ref_muon, ref_adamw = _optimizers(ref, torch.optim.Muon)
+    muon, adamw = _optimizers(model, muon_cls, **cfg.get("muon", {}))
+    ref_muon, ref_adamw = _optimizers(ref, torch.optim.Muon, **cfg.get("muon", {}))
     rank, size = _dp_rank_size(model)
     out: dict[str, Any] = {"mirror": 0.0, "flops": [], "local_flops": [], "collectives": []}
     for step in range(3):
@@ -175,6 +178,31 @@ def _checkpoint(path: str, load: bool) -> dict[str, torch.Tensor]:
     return {f"{fqn}.{k}": v.full_tensor() if isinstance(v, DTensor) else v for fqn, st in sd.items() for k, v in st.items()}
 
 
+def _fallback() -> dict[str, Any]:
+    """A DTensor fsdp2 does not manage (plain tensor parallel): torch's path, warned once,
+    equal to ``torch.optim.Muon`` on the same DTensor."""
+    import warnings
+
+    import fsdp2
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(9)
+    value, grad = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 6, generator=g, dtype=torch.float64)
+    params = [nn.Parameter(distribute_tensor(value, mesh, [Shard(0)])) for _ in range(2)]
+    for p in params:
+        p.grad = distribute_tensor(grad, mesh, [Shard(0)])
+    theirs = torch.optim.Muon([params[1]], lr=0.02)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = fsdp2.optim.Muon([params[0]], lr=0.02)
+        for _ in range(2):
+            ours.step()
+            theirs.step()
+    mine = [str(w.message) for w in caught if "fsdp2.optim.Muon" in str(w.message)]
+    return {"warnings": mine, "params": [p.full_tensor() for p in params]}
+
+
 def _worker4(rank: int, world: int, path: str) -> dict[str, Any]:
     out = {
         f"{lib}:{name}": _run(cfg, lib)
@@ -183,6 +211,7 @@ def _worker4(rank: int, world: int, path: str) -> dict[str, Any]:
         if lib == "fsdp2" or cfg.get("torch", True)
     }
     out["saved"] = _checkpoint(path, load=False)
+    out["fallback"] = _fallback()
     return out
 
 
@@ -240,3 +269,10 @@ def test_momentum_round_trips_dcp_from_4_ranks_to_2(root: str) -> None:
         assert sorted(loaded) == sorted(saved) and any(k.endswith("momentum_buffer") for k in saved)
         for k, v in saved.items():
             assert torch.equal(loaded[k], v), k
+
+
+def test_unmanaged_dtensors_take_torchs_path_with_one_warning(root: str) -> None:
+    for out in _spawned(root)[0]:
+        res = out["fallback"]
+        assert len(res["warnings"]) == 1 and "fsdp2 does not manage" in res["warnings"][0], res["warnings"]
+        assert torch.equal(res["params"][0], res["params"][1])
