@@ -62,7 +62,7 @@ class _FlatSwapped:
 class _GroupSwap:
     """One parameter group's list, replaced for the step."""
 
-    __slots__ = ("entries", "flats", "group", "original", "params", "swapped_list")
+    __slots__ = ("entries", "flats", "group", "groups", "original", "params", "swapped_list")
 
     def __init__(
         self, group: dict, swapped_list: list, entries: list[_Swapped], flats: list[_FlatSwapped]
@@ -73,11 +73,7 @@ class _GroupSwap:
         self.swapped_list = swapped_list
         self.entries = entries
         self.flats = flats
-
-
-# id(optimizer) -> (weak ref to it, what its unfinished fast-path step swapped, the
-# thread stepping it). Each entry is one optimizer's own: only that optimizer's next
-# step, state_dict or load, or a forward of a model it steps (on the stepping thread,
+        self.groups: list[Any] | None = None  # the fsdp2 groups it touches (``local_step._groups``)
 
 
 # ----------------------------------------------------------------------- restoring

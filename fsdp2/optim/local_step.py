@@ -215,17 +215,15 @@ def repair_owned(groups: list[Any]) -> None:
 
 
 def _groups(swaps: list[_GroupSwap]) -> list[Any]:
-    """The fsdp2 groups (``ParamGroup``) whose parameters ``swaps`` touched."""
+    """The fsdp2 groups (``ParamGroup``) whose parameters ``swaps`` touched (found once
+    per plan: a reused plan keeps them)."""
     found: dict[int, Any] = {}
     for swap in swaps:
-        for s in swap.entries:
-            g = s.fp.group()
-            found[id(g)] = g
-        for f in swap.flats:
-            for fp in f.fps:
-                g = fp.group()
-                found[id(g)] = g
-    return [g for g in found.values() if g is not None]
+        if swap.groups is None:
+            fps = [s.fp for s in swap.entries] + [fp for f in swap.flats for fp in f.fps]
+            swap.groups = list({id(g): g for g in (fp.group() for fp in fps) if g is not None}.values())
+        found.update((id(g), g) for g in swap.groups)
+    return list(found.values())
 
 
 def _eligible(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
