@@ -139,13 +139,7 @@ class ExtensionGather:
                 f"{type(local).__name__}.fsdp_pre_all_gather{inspect.signature(hook)}: expected (mesh) or "
                 "(mesh, outer_size, outer_stride, module, mp_policy)"
             )
-        inputs = list(inputs)
-        for t in inputs:
-            if t.dim() == 0 or t.shape[0] != p.layout.chunk:
-                raise ValueError(
-                    f"{type(local).__name__}.fsdp_pre_all_gather for {p.fqn} returned an input of shape "
-                    f"{tuple(t.shape)}; each input must keep the padded shard's {p.layout.chunk} rows on dim 0"
-                )
+        inputs = [_padded(t, p.layout.chunk, type(local).__name__, p.fqn) for t in inputs]
         return inputs, meta
 
     def finish(self, param_dtype: torch.dtype | None) -> None:
@@ -204,6 +198,21 @@ class ExtensionGather:
                 if buf is not None:
                     self.bucket.comm.pool.release(buf)
             self._buffers, self._sent = None, []
+
+
+def _padded(t: torch.Tensor, rows: int, cls: str, fqn: str) -> torch.Tensor:
+    """An all-gather input with the padded shard's ``rows`` on dim 0: one the hook left
+    short (a rank whose shard is shorter, e.g. under the one-argument signature, which
+    cannot know the padded size) is padded with zeros here, so every rank sends alike
+    (raising on the short ranks alone would leave the others waiting in the gather)."""
+    if t.dim() == 0 or t.shape[0] > rows:
+        raise ValueError(
+            f"{cls}.fsdp_pre_all_gather for {fqn} returned an input of shape {tuple(t.shape)}; each input "
+            f"must have the padded shard's {rows} rows on dim 0 (or fewer, padded with zeros by fsdp2)"
+        )
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
 def _realloc(t: torch.Tensor) -> None:

@@ -95,9 +95,7 @@ class MeshInfo:
             # Replicas only (DDP) is HSDP with shards of one rank: ``mesh`` is the replicas.
             rank = dist.get_rank()
             backend = dist.get_backend(mesh.get_group(0))
-            shard_group = local.group(
-                ("self", rank, backend), lambda: dist.new_group([rank], backend=backend, use_local_synchronization=True)
-            )
+            shard_group = local.subgroup("self", (rank,), backend)
             shard_rank, shard_size, replicate = 0, 1, True
         else:
             shard_group = mesh.get_group(mesh.ndim - 1)
@@ -153,10 +151,7 @@ class MeshInfo:
         first = self.shard_rank - self.shard_rank % factor
         block = tuple(ranks[first : first + factor])
         backend = dist.get_backend(self.shard_group)
-        group = self.local.group(
-            ("partial", block, backend),
-            lambda: dist.new_group(list(block), backend=backend, use_local_synchronization=True),
-        )
+        group = self.local.subgroup("partial", block, backend)
         return group, self.shard_rank % factor
 
 

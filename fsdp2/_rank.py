@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,20 +39,19 @@ class RankLocal:
             pool = self._pools[device] = BufferPool()
         return pool
 
-    def group(self, key: Any, make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
-        """``make()`` the first time this rank asks for ``key``; the same group after."""
+    def subgroup(self, kind: str, ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
+        """The process group of ``kind`` over ``ranks``, made the first time this rank asks
+        (by the member ranks only, ``use_local_synchronization``: each makes its groups in
+        the same order), the same group after."""
+        key = (kind, ranks, backend)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = make()
+            group = self._groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
         return group
 
     def gather_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
-        """The gloo group over ``group``'s ranks that in-place all-gathers use (made by
-        the member ranks only: each builds its buckets in the same order)."""
-        ranks = tuple(dist.get_process_group_ranks(group))
-        return self.group(
-            ("gather", ranks), lambda: dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-        )
+        """The gloo group over ``group``'s ranks that in-place all-gathers use."""
+        return self.subgroup("gather", tuple(dist.get_process_group_ranks(group)), "gloo")
 
     def release(self) -> None:
         """Wait for deferred gathers and drop the groups (see ``release_at_exit``)."""

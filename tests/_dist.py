@@ -66,7 +66,9 @@ def _entry(env: dict[str, str], call: bytes, rank: int, world: int, port: int, r
 def _context() -> Any:
     """Ranks start from a fork server that imported torch once (a fresh interpreter per
     rank would import it again: seconds of CPU per rank, most of a small test). fsdp2 is
-    not preloaded: each rank imports it under the caller's environment."""
+    not preloaded: each rank imports it under the caller's environment. What torch reads
+    at import (``TORCH_LOGS``, ...) is fixed when the server starts: pass ``fresh=True``
+    to a run that sets such variables."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
     return ctx

@@ -1,6 +1,6 @@
 """``fsdp2.clip_grad_norm_`` at 4 ranks, float64: the total norm equals the local model's
-(to 1e-12) and the clipped gradients equal its clipped gradients, for p = 2, 1, 3 and
-inf, on a 1-D mesh, HSDP, FSDP over TP (gradients on two meshes), ``Shard(1)`` with
+(to 1e-12) and the clipped gradients equal its clipped gradients, for p = 2, 1, 3, inf
+and 0, on a 1-D mesh, HSDP, FSDP over TP (gradients on two meshes), ``Shard(1)`` with
 uneven shards, frozen parameters and missing gradients, and pipeline stages
 (``pp_mesh``: pp 2 x dp 2). torch's ``clip_grad_norm_`` keeps working on fsdp2's 1-D
 model; on dp x tp it fails with either library (pinned)."""
@@ -21,7 +21,7 @@ from _models import impl
 from test_muon import _batch, _build, _dp_rank_size, Net
 
 WORLD = 4
-NORMS = (2.0, 1.0, 3.0, math.inf)
+NORMS = (2.0, 1.0, 3.0, math.inf, 0.0)  # 0: torch's count of tensors with a non-zero element
 CONFIGS: dict[str, dict[str, Any]] = {
     "1d": dict(mesh=(4,)),
     "hsdp": dict(mesh=(2, 2)),

@@ -32,6 +32,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "1d": dict(mesh=(4,), share=4),
     "hsdp": dict(mesh=(2, 2), share=2),  # each replica orthogonalizes its own copy
     "dp_tp": dict(mesh=(2, 2), tp=True, share=4),  # the owner sees the matrix across dp and tp
+    # tp the outer mesh dim: exchange members listed as coordinates differ from the
+    # group's rank order (pieces went to the wrong owners before)
+    # (torch.optim.Muon on torch's fully_shard fails there in DTensor's redistribute:
+    # "Mesh dim indices should be in ascending order", torch 2.13)
+    "tp_dp": dict(mesh=(2, 2), tp=True, tp_first=True, share=4, torch=False),
     "shard_1": dict(mesh=(4,), placement=True, share=4, torch=False),  # uneven Shard(1): torch refuses
     # Muon's other options, as torch applies them
     "options": dict(mesh=(4,), share=4, muon=dict(nesterov=False, adjust_lr_fn="match_rms_adamw", weight_decay=0.2)),
@@ -72,7 +77,8 @@ def _build(cfg: dict[str, Any], lib: Any) -> tuple[nn.Module, nn.Module]:
     if len(cfg["mesh"]) == 2 and cfg.get("tp"):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        mesh = init_device_mesh("cpu", cfg["mesh"], mesh_dim_names=("dp", "tp"))
+        names = ("tp", "dp") if cfg.get("tp_first") else ("dp", "tp")
+        mesh = init_device_mesh("cpu", cfg["mesh"], mesh_dim_names=names)
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         dp = mesh["dp"]

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp2
-from _dist import cached_outcome, run_scenarios
+from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
 from fsdp2.optim import _plan, local_step
 from fsdp2.optim import local_step_stats
@@ -560,3 +560,36 @@ def _at(world: int) -> dict[str, list]:
         "raise_False": (_worker_raise, (False,)), "disabled": (_worker_disabled, ()), "save": (_worker_save, ()),
         "reuse": (_reuse_worker, ()), "reset": (_reset_worker, ()),
     })
+
+
+def _dead_optimizer_worker(rank: int, world: int) -> str:
+    """Two optimizers over one model both fail mid-step, one is then collected: the
+    model's next forward undoes what is left and runs."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fsdp2.fully_shard(model)
+    params = list(model.parameters())
+    opt_a = torch.optim.SGD(params[:2], lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(params[2:], lr=0.1, momentum=0.9)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt_a.step()
+        opt_b.step()
+    model(x).sum().backward()
+    for o in (opt_b, opt_a):
+        with mock.patch("torch.optim.sgd._single_tensor_sgd", side_effect=RuntimeError("injected")):
+            try:
+                o.step()
+            except RuntimeError:
+                pass
+    del opt_a, o
+    gc.collect()
+    model(x)
+    return "ok" if all(isinstance(p, DTensor) for p in opt_b.param_groups[0]["params"]) else "not restored"
+
+
+def test_forward_after_failed_steps_of_a_collected_optimizer() -> None:
+    assert run_ranks(_dead_optimizer_worker, 1) == ["ok"]

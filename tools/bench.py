@@ -16,6 +16,9 @@
   median optimizer step, Newton-Schulz FLOPs per rank, collectives per step; and
   ``fsdp2.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_`` on the deep
   model (1-D, where torch's works): median time of one call.
+* host (one rank on the fake process group, where collectives cost nothing): the time
+  each library adds to the plain local step, for the deep model at 8 and 64 ranks and a
+  4-block model of 32 experts each at 8 ranks (the accelerator path's host overhead).
 
 Collectives are counted by wrapping the ``torch.distributed`` functions both libraries
 call; bytes are the logical payload: all-gather output, reduce-scatter input (fsdp2 on
@@ -246,15 +249,124 @@ def bench_optim(steps: int) -> None:
     print(f"  ratio fsdp2/torch clip_grad_norm_ time: {med['fsdp2'] / med['torch']:.3f}")
 
 
+class _MoE(torch.nn.Module):
+    """Many parameters per group: 4 blocks of 32 small experts (all run: host work, not
+    routing, is what this measures)."""
+
+    def __init__(self, blocks: int = 4, experts: int = 32, dim: int = 64, hidden: int = 128) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
+                for _ in range(experts)
+            )
+            for _ in range(blocks)
+        )
+        self.head = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for experts in self.layers:
+            x = x + sum(e(x) for e in experts) / len(experts)
+        return self.head(x)
+
+
+class _MoEBlock(torch.nn.Module):
+    def __init__(self, experts: torch.nn.ModuleList) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + sum(e(x) for e in self.experts) / len(self.experts)
+
+
+HOST = {  # fake process group: one rank of a job of ``world`` ranks, collectives free
+    "deep@8": ("deep", 8), "deep@64": ("deep", 64), "moe@8": ("moe", 8),
+}
+
+
+def _host_model(kind: str) -> tuple[torch.nn.Module, Any]:
+    if kind == "deep":
+        spec = MODELS["deep"]
+        model = Transformer(spec["args"])
+        model.init_weights(0)
+        tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1))
+
+        def loss(m: torch.nn.Module) -> torch.Tensor:
+            return F.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+        return model, loss
+    model = _MoE()
+    x = torch.randn(16, 64)
+    return model, lambda m: m(x).square().mean()
+
+
+def _host_worker(kind: str, world: int, steps: int, queue: Any) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # gathered buffers hold whatever memory held: keep compute speed fair
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    import fsdp2
+    import torch.distributed.fsdp as torch_fsdp
+
+    built = {}
+    for lib_name, lib in (("local", None), ("torch", torch_fsdp), ("fsdp2", fsdp2)):
+        torch.manual_seed(0)
+        model, loss = _host_model(kind)
+        if lib is not None:
+            blocks = model.layers
+            if kind == "moe":
+                blocks = [_MoEBlock(e) for e in model.layers]
+                model.layers = torch.nn.ModuleList(blocks)
+            for block in blocks:
+                lib.fully_shard(block)
+            lib.fully_shard(model)
+        built[lib_name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3), loss)
+    times: dict[str, list[float]] = {lib: [] for lib in built}
+    for i in range(steps + 2):
+        for lib in (list(built) if i % 2 == 0 else list(built)[::-1]):
+            model, opt, loss = built[lib]
+            start = time.perf_counter()
+            loss(model).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= 2:
+                times[lib].append(time.perf_counter() - start)
+    queue.put({lib: statistics.median(t) * 1e3 for lib, t in times.items()})
+    dist.destroy_process_group()
+
+
+def bench_host(steps: int) -> None:
+    """fsdp2's and torch's time added to the plain local step, on the fake process group
+    (collectives free: what remains is compute and each library's host work)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    print(f"\n== host overhead: one rank on the fake process group, {steps} steps, SGD")
+    for label, (kind, world) in HOST.items():
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_host_worker, args=(kind, world, steps, queue))
+        proc.start()
+        med = queue.get(timeout=1800)
+        proc.join()
+        added = {lib: med[lib] - med["local"] for lib in ("torch", "fsdp2")}
+        print(
+            f"  {label:8s} local {med['local']:7.2f} ms | torch +{added['torch']:7.2f} ms | fsdp2 +{added['fsdp2']:7.2f} ms"
+            f" | ratio fsdp2/torch added time: {added['fsdp2'] / added['torch']:.3f}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "all"], default="all")
+    p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "host", "all"], default="all")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    names = ["deep", "wide", "local", "big", "optim"] if args.model == "all" else [args.model]
+    names = ["deep", "wide", "local", "big", "optim", "host"] if args.model == "all" else [args.model]
     for name in names:
-        if name == "optim":
+        if name == "host":
+            bench_host(args.steps)
+        elif name == "optim":
             bench_optim(args.steps)
         elif name == "big":
             bench_memory(name, steps=3)

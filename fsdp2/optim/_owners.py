@@ -23,6 +23,7 @@ Where each piece sits is ``_pieces``' business.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._collectives import traced
-from ._pieces import Piece, block_indices, group_over, members_along, sharded_dims
+from ._pieces import Piece, block_indices, members_in_group_order, sharded_dims
 
 
 class Matrix(NamedTuple):
@@ -54,14 +55,13 @@ class Exchange(NamedTuple):
 def plan(p: DTensor) -> tuple[Exchange, Matrix]:
     """The exchange group of ``p`` and where each member's piece sits."""
     mesh, placements = p.device_mesh, tuple(p.placements)
-    sharded = sharded_dims(placements)
-    members = members_along(mesh, sharded)
+    group, members = members_in_group_order(mesh, sharded_dims(placements))
     mesh_shape = tuple(mesh.mesh.shape)
     pieces = [Piece.of(block_indices(p.shape, mesh_shape, c, placements)) for c in members]
     ranks = tuple(int(mesh.mesh[tuple(c)]) for c in members)
     m, n = p.shape[0], p.shape[1] if p.dim() > 1 else 1
     matrix = Matrix(tuple(p.shape), pieces, m * n * min(m, n))
-    return Exchange(group_over(mesh, sharded, ranks), ranks, ranks.index(dist.get_rank())), matrix
+    return Exchange(group, ranks, ranks.index(dist.get_rank())), matrix
 
 
 
@@ -93,14 +93,14 @@ def exchange(
     # Phase 1: my piece of each matrix to its owner, grouped by owner.
     order = sorted(range(len(matrices)), key=lambda i: owners[i])
     send = torch.cat([locals_[i].reshape(-1) for i in order]) if order else torch.empty(0, dtype=dtype, device=device)
-    send_sizes = [sum(locals_[i].numel() for i in order if owners[i] == k) for k in range(G)]
+    mine_sizes = [sum(locals_[i].numel() for i in order if owners[i] == k) for k in range(G)]  # to each owner
     mine = [i for i in range(len(matrices)) if owners[i] == me]
     recv_sizes = [sum(math.prod(matrices[i].pieces[k].shape) for i in mine) for k in range(G)]
-    recv = _all_to_all(send, send_sizes, recv_sizes, ex.group, "fsdp2::to_owners")
+    recv = _all_to_all(send, mine_sizes, recv_sizes, ex.group, "fsdp2::to_owners")
     # Phase 2: assemble and compute the matrices this rank owns.
     results: dict[int, torch.Tensor] = {}
     with traced("fsdp2::owner_compute"):
-        starts = _offsets(recv_sizes)
+        starts = [0, *itertools.accumulate(recv_sizes)][:-1]
         for i in mine:
             full = torch.empty(matrices[i].shape, dtype=dtype, device=device)
             for k in range(G):
@@ -112,9 +112,7 @@ def exchange(
     parts = [results[i].to(out_dtype).contiguous().view(matrices[i].shape) for i in mine]
     back = [matrices[i].pieces[k].read(r) for k in range(G) for i, r in zip(mine, parts)]
     send = torch.cat(back) if back else torch.empty(0, dtype=out_dtype, device=device)
-    send_sizes = recv_sizes
-    recv_sizes = [sum(locals_[i].numel() for i in order if owners[i] == k) for k in range(G)]
-    recv = _all_to_all(send, send_sizes, recv_sizes, ex.group, "fsdp2::from_owners")
+    recv = _all_to_all(send, recv_sizes, mine_sizes, ex.group, "fsdp2::from_owners")  # the way back
     # Phase 4: my pieces, back in matrix order.
     out: list[torch.Tensor] = [torch.empty(0)] * len(matrices)
     at = 0
@@ -123,14 +121,6 @@ def exchange(
         out[i] = recv[at : at + n].view(locals_[i].shape)
         at += n
     return out
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    starts, acc = [], 0
-    for s in sizes:
-        starts.append(acc)
-        acc += s
-    return starts
 
 
 def _all_to_all(

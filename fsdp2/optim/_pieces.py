@@ -1,12 +1,10 @@
 """Where each rank's piece of a DTensor sits in the whole tensor, and the ranks that hold
 different pieces.
 
-Which global rows and columns a rank's local tensor holds follows from the placements,
-applied in mesh-dim order as DTensor applies them: ``Shard(d)`` takes the rank's
-``torch.chunk`` of the current indices; ``_StridedShard(d, sf)`` splits them into ``sf``
-pieces first (the chunks of the later mesh dims that shard ``d``) and takes the rank's
-chunk of each. Replicated mesh dims hold copies: the ranks holding different pieces are
-those along the sharded dims (``sharded_group``).
+Which global rows and columns a rank's local tensor holds follows from the placements
+(``block_indices``: tensor-parallel splits first, then fsdp2's chunk of the local
+tensor). Replicated mesh dims hold copies: the ranks holding different pieces are those
+along the sharded dims (``sharded_group``), listed in their process group's rank order.
 """
 
 from __future__ import annotations
@@ -33,15 +31,16 @@ def block_indices(
     shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Placement]
 ) -> list[torch.Tensor]:
     """Per tensor dim, the global indices (in local order) of the local tensor held at
-    mesh coordinate ``coord``."""
+    mesh coordinate ``coord``, as fsdp2 lays its shards out: the ``Shard`` placements
+    (tensor parallel) split the tensor first, in mesh-dim order, then each
+    ``_StridedShard`` (fsdp2's data-parallel dim over them) takes its ``torch.chunk`` of
+    the local indices. For even sizes that is DTensor's meaning of ``_StridedShard``;
+    for uneven ones it is where fsdp2 keeps the data."""
     indices = [torch.arange(s) for s in shape]
-    for mesh_dim, pl in enumerate(placements):
-        if isinstance(pl, _StridedShard):
-            pieces = torch.chunk(indices[pl.dim], pl.split_factor) if indices[pl.dim].numel() else ()
-            parts = [chunk_indices(p, mesh_shape[mesh_dim], coord[mesh_dim]) for p in pieces]
-            indices[pl.dim] = torch.cat(parts) if parts else indices[pl.dim]
-        elif isinstance(pl, Shard):
-            indices[pl.dim] = chunk_indices(indices[pl.dim], mesh_shape[mesh_dim], coord[mesh_dim])
+    ordered = [(i, pl) for i, pl in enumerate(placements) if isinstance(pl, Shard) and not isinstance(pl, _StridedShard)]
+    ordered += [(i, pl) for i, pl in enumerate(placements) if isinstance(pl, _StridedShard)]
+    for mesh_dim, pl in ordered:
+        indices[pl.dim] = chunk_indices(indices[pl.dim], mesh_shape[mesh_dim], coord[mesh_dim])
     return indices
 
 
@@ -94,8 +93,19 @@ def sharded_group(mesh: object, placements: Sequence[Placement]) -> tuple[dist.P
     sharded = sharded_dims(placements)
     if not sharded:
         return None, (dist.get_rank(),)
-    ranks = tuple(int(mesh.mesh[tuple(c)]) for c in members_along(mesh, sharded))  # type: ignore[attr-defined]
-    return group_over(mesh, sharded, ranks), ranks
+    group, members = members_in_group_order(mesh, sharded)
+    return group, tuple(int(mesh.mesh[tuple(c)]) for c in members)  # type: ignore[attr-defined]
+
+
+def members_in_group_order(mesh: object, sharded: list[int]) -> tuple[dist.ProcessGroup, list[list[int]]]:
+    """The group over the ranks along ``sharded`` dims and their mesh coordinates, in the
+    group's own rank order (which collectives' split lists follow)."""
+    members = members_along(mesh, sharded)
+    ranks = [int(mesh.mesh[tuple(c)]) for c in members]  # type: ignore[attr-defined]
+    group = group_over(mesh, sharded, tuple(ranks))
+    order = dist.get_process_group_ranks(group) if len(ranks) > 1 else ranks
+    by_rank = dict(zip(ranks, members))
+    return group, [by_rank[r] for r in order]
 
 
 def members_along(mesh: object, sharded: list[int]) -> list[list[int]]:
@@ -127,7 +137,5 @@ def group_over(mesh: object, sharded: list[int], ranks: tuple[int, ...]) -> dist
     if len(sharded) == 0:
         return mesh.get_group(0)  # type: ignore[attr-defined]  # one member: never communicates
     backend = dist.get_backend(mesh.get_group(sharded[0]))  # type: ignore[attr-defined]
-    return this_rank().group(
-        ("owners", ranks, backend), lambda: dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
-    )
+    return this_rank().subgroup("owners", ranks, backend)
 

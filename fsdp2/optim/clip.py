@@ -46,7 +46,7 @@ def clip_grad_norm_(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     norm_type = float(norm_type)
-    if not (norm_type >= 0 or norm_type == -math.inf) or norm_type == -math.inf:
+    if not norm_type >= 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be >= 0 or inf, got {norm_type}")
     grads = [p.grad for p in parameters if p.grad is not None]
     # Phase 1: local contributions, by the ranks that hold different pieces.
@@ -73,6 +73,8 @@ def clip_grad_norm_(
             part = _combine_local(ts, norm_type, dtype, device)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(part, op=_op(norm_type), group=group)
+            if norm_type == 0:
+                part = (part > 0).sum().to(dtype)  # tensors with a non-zero element
             total = torch.maximum(total, part) if norm_type == math.inf else total + part
         if pp_mesh is not None:
             dist.all_reduce(total, op=_op(norm_type), group=pp_mesh.get_group())  # type: ignore[attr-defined]
@@ -119,7 +121,12 @@ def _acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
 
 
 def _combine_local(ts: list[torch.Tensor], p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``sum |x|^p`` over the tensors (a count for ``p=0``, ``max |x|`` for ``inf``)."""
+    """``sum |x|^p`` over the tensors (``max |x|`` for ``inf``). ``p=0``: torch's 0-norm
+    of the tensors' norms, the number of tensors with a non-zero element: per tensor
+    (in the same order on every rank of the group), the non-zero count, summed by the
+    all-reduce, and ``_count_tensors`` counts those above zero."""
+    if p == 0:
+        return torch.stack([t.count_nonzero() for t in ts]).to(device=device, dtype=dtype) if ts else torch.zeros(0, dtype=dtype, device=device)
     ts = [t for t in ts if t.numel()]  # a trailing rank's empty shard adds nothing
     if not ts:
         return torch.zeros((), dtype=dtype, device=device)

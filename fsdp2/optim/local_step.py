@@ -206,12 +206,18 @@ def repair_owned(groups: list[Any]) -> None:
         for ref in list(g.unfinished_steps):
             opt = ref()
             mine = attached(opt) if opt is not None else None
-            if mine is None or mine.active is None:
-                g.unfinished_steps.remove(ref)
-                continue
-            thread = mine.active[1]
-            if thread is me or not thread.is_alive():
-                _undo(opt, mine)
+            if mine is not None and mine.active is not None:
+                thread = mine.active[1]
+                if thread is me or not thread.is_alive():
+                    _undo(opt, mine)  # also forgets it on every group it touched
+        # What is left: steps still in flight on other threads (dead optimizers go).
+        g.unfinished_steps = [r for r in g.unfinished_steps if _in_flight(r)]
+
+
+def _in_flight(ref: weakref.ref) -> bool:
+    opt = ref()
+    mine = attached(opt) if opt is not None else None
+    return mine is not None and mine.active is not None
 
 
 def _groups(swaps: list[_GroupSwap]) -> list[Any]:
@@ -248,8 +254,12 @@ def _eligible(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bo
 _HOOKS: list[Any] = []
 
 
+_HOOKS_LOCK = threading.Lock()  # ranks as threads may call fully_shard at once
+
+
 def install_hooks(pre_hook: Callable[[torch.optim.Optimizer, tuple, dict], None]) -> None:
     """Install the global step hooks once per process (``pre_hook`` calls ``pre_step``)."""
-    if not _HOOKS:
-        _HOOKS.append(_optimizer.register_optimizer_step_pre_hook(pre_hook))
-        _HOOKS.append(_optimizer.register_optimizer_step_post_hook(post_step))
+    with _HOOKS_LOCK:
+        if not _HOOKS:
+            _HOOKS.append(_optimizer.register_optimizer_step_pre_hook(pre_hook))
+            _HOOKS.append(_optimizer.register_optimizer_step_post_hook(post_step))

@@ -88,14 +88,14 @@ class Muon(torch.optim.Muon):
         lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
         momentum, nesterov = group["momentum"], group["nesterov"]
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
-        owned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, local update)
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        for p in with_grad:  # checked before anything changes, as torch does
             if torch.is_complex(p):
                 raise RuntimeError("Muon does not support complex parameters")
             if p.grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
+        owned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, local update)
+        for p in with_grad:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
