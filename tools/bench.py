@@ -249,34 +249,31 @@ def bench_optim(steps: int) -> None:
     print(f"  ratio fsdp2/torch clip_grad_norm_ time: {med['fsdp2'] / med['torch']:.3f}")
 
 
+class _MoEBlock(torch.nn.Module):
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
+            for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + sum(e(x) for e in self.experts) / len(self.experts)
+
+
 class _MoE(torch.nn.Module):
     """Many parameters per group: 4 blocks of 32 small experts (all run: host work, not
     routing, is what this measures)."""
 
     def __init__(self, blocks: int = 4, experts: int = 32, dim: int = 64, hidden: int = 128) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(
-            torch.nn.ModuleList(
-                torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
-                for _ in range(experts)
-            )
-            for _ in range(blocks)
-        )
+        self.layers = torch.nn.ModuleList(_MoEBlock(experts, dim, hidden) for _ in range(blocks))
         self.head = torch.nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for experts in self.layers:
-            x = x + sum(e(x) for e in experts) / len(experts)
+        for layer in self.layers:
+            x = layer(x)
         return self.head(x)
-
-
-class _MoEBlock(torch.nn.Module):
-    def __init__(self, experts: torch.nn.ModuleList) -> None:
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + sum(e(x) for e in self.experts) / len(self.experts)
 
 
 HOST = {  # fake process group: one rank of a job of ``world`` ranks, collectives free
@@ -314,14 +311,10 @@ def _host_worker(kind: str, world: int, steps: int, queue: Any) -> None:
         torch.manual_seed(0)
         model, loss = _host_model(kind)
         if lib is not None:
-            blocks = model.layers
-            if kind == "moe":
-                blocks = [_MoEBlock(e) for e in model.layers]
-                model.layers = torch.nn.ModuleList(blocks)
-            for block in blocks:
+            for block in model.layers:
                 lib.fully_shard(block)
             lib.fully_shard(model)
-        built[lib_name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3), loss)
+        built[lib_name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss)
     times: dict[str, list[float]] = {lib: [] for lib in built}
     for i in range(steps + 2):
         for lib in (list(built) if i % 2 == 0 else list(built)[::-1]):
@@ -342,13 +335,15 @@ def bench_host(steps: int) -> None:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    print(f"\n== host overhead: one rank on the fake process group, {steps} steps, SGD")
+    print(f"\n== host overhead: one rank on the fake process group, {steps} steps, AdamW")
     for label, (kind, world) in HOST.items():
         queue = ctx.Queue()
         proc = ctx.Process(target=_host_worker, args=(kind, world, steps, queue))
         proc.start()
-        med = queue.get(timeout=1800)
         proc.join()
+        if queue.empty():
+            raise RuntimeError(f"host benchmark {label} failed (its traceback is above)")
+        med = queue.get()
         added = {lib: med[lib] - med["local"] for lib in ("torch", "fsdp2")}
         print(
             f"  {label:8s} local {med['local']:7.2f} ms | torch +{added['torch']:7.2f} ms | fsdp2 +{added['fsdp2']:7.2f} ms"
