@@ -86,7 +86,6 @@ class Muon(torch.optim.Muon):
 
     def _step_group(self, group: dict) -> None:
         lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-        momentum, nesterov = group["momentum"], group["nesterov"]
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
         with_grad = [p for p in group["params"] if p.grad is not None]
         for p in with_grad:  # checked before anything changes, as torch does
@@ -103,12 +102,11 @@ class Muon(torch.optim.Muon):
             reason = _not_owned(p, buf)
             if reason is not None:
                 self._warn_once(p, reason)
-                _local_muon_step(p, p.grad, buf, lr, group, ns)  # torch's path, on DTensors
+                # torch's path, on whatever tensors it has (DTensors: through DTensor)
+                _apply(p, newton_schulz(_momentum(p.grad, buf, group), *ns), lr, group)
                 continue
             # Phase 1: momentum on the local shards.
-            grad, local_buf = p.grad._local_tensor, buf._local_tensor
-            local_buf.lerp_(grad, 1 - momentum)
-            owned.append((p, grad.lerp(local_buf, momentum) if nesterov else local_buf))
+            owned.append((p, _momentum(p.grad._local_tensor, buf._local_tensor, group)))
         if not owned:
             return
         # Phase 2: each matrix orthogonalized once, on its owner.
@@ -118,9 +116,7 @@ class Muon(torch.optim.Muon):
         )
         # Phase 3: weight decay and the update, on the local shards.
         for p, update in zip(params, updates):
-            local = p._local_tensor
-            local.mul_(1 - lr * group["weight_decay"])
-            local.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+            _apply(p, update, lr, group, local=p._local_tensor)
 
     def _warn_once(self, p: torch.Tensor, reason: str) -> None:
         if self._warned or reason == "":
@@ -149,13 +145,17 @@ def _not_owned(p: torch.Tensor, buf: torch.Tensor) -> str | None:
     return None
 
 
-def _local_muon_step(
-    p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, lr: float, group: dict, ns: tuple
-) -> None:
-    """``torch.optim.Muon``'s step of one parameter, on whatever tensors it has."""
+def _momentum(grad: torch.Tensor, buf: torch.Tensor, group: dict) -> torch.Tensor:
+    """Update the momentum ``buf`` with ``grad``; the tensor to orthogonalize (Nesterov's
+    or the momentum itself), as torch.optim.Muon computes it."""
     momentum = group["momentum"]
     buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-    update = newton_schulz(update, *ns)
-    p.mul_(1 - lr * group["weight_decay"])
-    p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+    return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+
+def _apply(p: torch.Tensor, update: torch.Tensor, lr: float, group: dict, local: torch.Tensor | None = None) -> None:
+    """Decoupled weight decay, then the orthogonalized update at Muon's per-matrix rate
+    (of ``p``'s global shape), on ``local`` (``p`` itself unless given its local shard)."""
+    target = p if local is None else local
+    target.mul_(1 - lr * group["weight_decay"])
+    target.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
