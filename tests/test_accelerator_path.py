@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _dist import run_scenarios
+from test_muon import _worst
 
 WORLD = 4
 
@@ -80,7 +81,7 @@ def _ac_pipeline_mp(rank: int, world: int) -> dict[str, Any]:
     accelerator_path()
     out: dict[str, Any] = {f"ac_{form}": ac._parity(form, fsdp2, rank, world) for form in ("wrapper", "selective")}
     out.update({f"pp_{s}": pp._run("fsdp2", s, None, rank)["worst"] for s in ("1F1B", "ZBVZeroBubble")})
-    out["bf16"] = max(mp._worker(rank, world, "fsdp2", 1)["errors"].values())
+    out["bf16"] = _worst(list(mp._worker(rank, world, "fsdp2", 1)["errors"].values()))
     return out
 
 

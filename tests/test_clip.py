@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_ranks
 from _models import impl
-from test_muon import _batch, _build, _dp_rank_size, Net
+from test_muon import Net, _batch, _build, _dp_rank_size, _worst
 
 WORLD = 4
 NORMS = (2.0, 1.0, 3.0, math.inf, 0.0)  # 0: torch's count of tensors with a non-zero element
@@ -58,11 +58,11 @@ def _run(cfg: dict[str, Any]) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, p)
         fsdp2.clip_grad_norm_(model.parameters(), max_norm, p)
         ref_grads = {n: q.grad for n, q in ref.named_parameters()}
-        out[f"clipped_{p}"] = max(
+        out[f"clipped_{p}"] = _worst([
             (q.grad.full_tensor() - ref_grads[n]).abs().max().item() if q.grad is not None else
             (0.0 if ref_grads[n] is None else math.inf)
             for n, q in model.named_parameters()
-        )
+        ])
     return out
 
 

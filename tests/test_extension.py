@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import _subclass
 from _dist import run_ranks
 from _models import batch, full_params, impl, loss_fn
+from test_muon import _worst
 
 LIBS = ("fsdp2", "torch")
 CASES = {
@@ -108,11 +109,11 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
             o.step()
             o.zero_grad()
     got, want = full_params(model), full_params(ref)
-    worst = max((_plain(got[n]) - want[n]).abs().max().item() for n in want)
+    worst = _worst([(_plain(got[n]) - want[n]).abs().max().item() for n in want])
     pairs = [got[n] for n in want if isinstance(got[n], _subclass.Pair)]
     meshes = getattr(_subclass.seen, "meshes", [])
     return {
-        "pair_gap": max(((t.a - t.b).abs().max().item() for t in pairs), default=0.0),  # a == b throughout
+        "pair_gap": _worst([0.0] + [(t.a - t.b).abs().max().item() for t in pairs]),  # a == b throughout
         # (hook calls seen on this thread, 1-D meshes of the shard dim's size among them)
         "thread_meshes": (len(meshes), sum(m.ndim == 1 and m.size() == shape[-1] for m in meshes)),
         "worst": worst,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 from typing import Any
 
@@ -114,6 +115,12 @@ def _dp_rank_size(model: nn.Module) -> tuple[int, int]:
     return rank, mesh.size()
 
 
+def _worst(values: list[float]) -> float:
+    """The largest difference; a NaN anywhere counts as infinitely wrong (Python's max
+    would skip it)."""
+    return math.inf if any(math.isnan(v) for v in values) else max(values)
+
+
 def _mirror_step(opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
     """``torch.optim.Muon`` on full copies of the parameters, their reduced gradients and
     momentum: what a local step fed the same values gives."""
@@ -146,7 +153,7 @@ def _run(cfg: dict[str, Any], lib_name: str) -> dict[str, Any]:
             muon.step()
         if mirror is not None:
             params = [p for g in muon.param_groups for p in g["params"]]
-            out["mirror"] = max([out["mirror"]] + [(p.full_tensor() - c).abs().max().item() for p, c in zip(params, mirror["params"])])
+            out["mirror"] = _worst([out["mirror"]] + [(p.full_tensor() - c).abs().max().item() for p, c in zip(params, mirror["params"])])
             out["local_flops"].append(mirror["flops"])
         out["flops"].append(flops.get_total_flops())
         out["collectives"].append(sum(comm.calls.values()))
@@ -155,7 +162,7 @@ def _run(cfg: dict[str, Any], lib_name: str) -> dict[str, Any]:
         for o in (muon, adamw, ref_muon, ref_adamw):
             o.zero_grad()
     want = dict(ref.named_parameters())
-    out["distance"] = max((p.full_tensor() - want[n]).abs().max().item() for n, p in model.named_parameters())
+    out["distance"] = _worst([(p.full_tensor() - want[n]).abs().max().item() for n, p in model.named_parameters()])
     return out
 
 
