@@ -104,3 +104,11 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in model.named_parameters()
     }
+
+
+def worst(values: list[float]) -> float:
+    """The largest difference; a NaN anywhere counts as infinitely wrong (Python's max
+    would skip it)."""
+    import math
+
+    return math.inf if any(math.isnan(v) for v in values) else max(values)

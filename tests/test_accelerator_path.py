@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _dist import run_scenarios
-from test_muon import _worst
+from _models import worst as _worst
 
 WORLD = 4
 

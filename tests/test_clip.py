@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_ranks
 from _models import impl
-from test_muon import Net, _batch, _build, _dp_rank_size, _worst
+from _models import worst as _worst
+from test_muon import Net, _batch, _build, _dp_rank_size
 
 WORLD = 4
 NORMS = (2.0, 1.0, 3.0, math.inf, 0.0)  # 0: torch's count of tensors with a non-zero element

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import _subclass
 from _dist import run_ranks
 from _models import batch, full_params, impl, loss_fn
-from test_muon import _worst
+from _models import worst as _worst
 
 LIBS = ("fsdp2", "torch")
 CASES = {

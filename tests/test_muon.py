@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import os
 from typing import Any
 
@@ -27,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from _comm import CommCounter
 from _dist import run_ranks
 from _models import impl
+from _models import worst as _worst
 
 WORLD = 4
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -113,12 +113,6 @@ def _dp_rank_size(model: nn.Module) -> tuple[int, int]:
     coord = mesh.get_coordinate()
     rank = coord[0] if mesh.ndim == 1 else coord[0] * mesh.size(1) + coord[1]
     return rank, mesh.size()
-
-
-def _worst(values: list[float]) -> float:
-    """The largest difference; a NaN anywhere counts as infinitely wrong (Python's max
-    would skip it)."""
-    return math.inf if any(math.isnan(v) for v in values) else max(values)
 
 
 def _mirror_step(opt: torch.optim.Optimizer) -> dict[int, torch.Tensor]:

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import test_extension
 from _models import ToyModel, batch, full_params, impl, loss_fn
 from _threads import run_threads
-from test_muon import _worst
+from _models import worst as _worst
 
 WORLD = 4
 LIBS = ("fsdp2", "torch")
