@@ -17,6 +17,8 @@ Layouts (``W`` shard ranks, ``S`` = sum of the padded shard sizes):
 Gradients go through ``BucketReduce`` (``_reduce.py``) and into ``.grad`` through
 ``GradCommit`` (``_commit.py``). Large buckets on gloo gather and reduce in place
 (``InPlace``, ``_in_place.py``), a strategy chosen once per bucket; elsewhere it is None.
+With ``CPUOffloadPolicy`` on an accelerator the sharded flat lives on the host and the
+rest on the device (``HostOffload``, ``_offload.py``); elsewhere ``offload`` is None.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ._commit import GradCommit
 from ._extension import ExtensionGather
 from ._in_place import InPlace
 from ._mesh import MeshInfo
+from ._offload import HostOffload
 from ._param import FSDPParam
 from ._reduce import BucketReduce
 
@@ -49,6 +52,7 @@ class FlatBucket:
         device: torch.device,
         compute_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
+        offload: HostOffload | None = None,
     ) -> None:
         self.params = params
         for i, p in enumerate(params):
@@ -87,10 +91,13 @@ class FlatBucket:
         self.reduce = BucketReduce(self)
         self.commit = GradCommit(self)
         self.in_place: InPlace | None = None
+        self.offload = offload
+        self.device = device  # where gathers and reduces run (the shards' too, without offload)
         self._allocate_sharded(originals, device)
 
     # ------------------------------------------------------------------ storage
     def _allocate_sharded(self, originals: list[torch.Tensor], device: torch.device) -> None:
+        device = self.shard_home(device)
         self.sharded_flat = self._new_sharded_flat(self.dtype, device)
         with torch.no_grad():
             for p, orig in zip(self.params, originals):
@@ -107,14 +114,23 @@ class FlatBucket:
         """Room for every shard, or none when the shards hold their own storage (a bucket
         of subclasses sharded through their own ops: ``FSDPParam.dispatched``)."""
         own = all(p.dispatched for p in self.params)
-        return torch.zeros(0 if own else self.shard_numel + len(self.scalars), dtype=dtype, device=device)
+        numel = 0 if own else self.shard_numel + len(self.scalars)
+        if self.offload is not None and device.type != "meta":
+            return self.offload.zeros(numel, dtype)
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def shard_home(self, device: torch.device) -> torch.device:
+        """Where the shards live when gathers run on ``device``: the host when offloaded."""
+        return device if self.offload is None else self.offload.home(device)
 
     def _allocate_unsharded(self) -> None:
         world = self.comm.shard_size
         numel = world * self.shard_numel + len(self.scalars)
         # On one rank without a dtype change both layouts coincide: the unsharded
         # parameters are the shards themselves, and unshard/reshard do nothing.
-        self.gather_is_identity = world == 1 and self.compute_dtype == self.dtype and not self.extension
+        self.gather_is_identity = (
+            world == 1 and self.compute_dtype == self.dtype and not self.extension and self.offload is None
+        )
         self.extension_gather = ExtensionGather(self) if self.extension else None
         # On gloo, large buckets gather and reduce in place, in the unsharded storage:
         # no pooled buffer, no copy-out, no temporary inside gloo's all-gather.
@@ -124,7 +140,7 @@ class FlatBucket:
         if self.gather_is_identity:
             flat = self.sharded_flat
         else:
-            flat = torch.empty(numel + extra, dtype=self.compute_dtype, device=self.sharded_flat.device)
+            flat = torch.empty(numel + extra, dtype=self.compute_dtype, device=self.device)
         self._unsharded_numel = numel + extra
         self.unsharded_flat = flat
         # Writes go through ``.data``, which has its own version counter: re-gathering
@@ -211,6 +227,9 @@ class FlatBucket:
         current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
         locals_ = [c.to_local() if isinstance(c, torch.distributed.tensor.DTensor) else c for c in current]
         device, dtype = locals_[0].device, locals_[0].dtype
+        # Offloaded, gathers stay on the mesh's device wherever ``_apply`` put the shards.
+        self.device = device if self.offload is None or device.type == "meta" else self.offload.compute
+        device = self.shard_home(device)
         follow_compute, follow_reduce = self.follows_dtype
         if follow_compute:
             self.compute_dtype = dtype
@@ -264,6 +283,8 @@ class FlatBucket:
                 else:
                     self._start_gather_in_place(source)
                 return
+            if self.offload is not None:
+                source = self.offload.to_compute(source)
             if self.compute_dtype != self.dtype:
                 with traced("fsdp2::cast_for_all_gather"):
                     source = source.to(self.compute_dtype)
@@ -359,7 +380,7 @@ class FlatBucket:
             return
         world = self.comm.shard_size
         rows = world // factor
-        keep = torch.empty(rows * self.shard_numel, dtype=self.compute_dtype, device=self.sharded_flat.device)
+        keep = torch.empty(rows * self.shard_numel, dtype=self.compute_dtype, device=self.device)
         if self.shard_numel:
             torch.cat(
                 [v[index * rows : (index + 1) * rows] for v in self._gathered_blocks()],

@@ -32,6 +32,8 @@ class GradCommit:
         """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
         that completed, so a backward that raised leaves ``.grad`` as it was."""
         b, ready = self.bucket, self.bucket.reduce.ready
+        if b.offload is not None:
+            b.offload.wait_host()  # the gradients' device -> host copies landed
         flat = None
         if len(ready) == 1 and self._all_grads_none():
             layout, grads = ready[0][:2]

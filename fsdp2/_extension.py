@@ -106,7 +106,7 @@ class ExtensionGather:
         self._sent = [self._pre(p, mp_policy) for p in b.params]
         flat_inputs = [t.reshape(-1).view(torch.uint8) for inputs, _ in self._sent for t in inputs]
         numel = sum(t.numel() for t in flat_inputs)
-        world, device = b.comm.shard_size, b.sharded_flat.device
+        world, device = b.comm.shard_size, b.device
         send = b.comm.pool.acquire(numel, torch.uint8, device)
         if flat_inputs:
             with traced("fsdp2::copy_in"):

@@ -42,12 +42,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._bucket import FlatBucket
-from ._mesh import MeshInfo
+from ._mesh import MeshInfo, mesh_device
 from ._calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
+from ._offload import HostOffload
 from ._param import FSDPParam
 from ._shared import SharedParam
 from ._tree import cast_floating
-from .api import MixedPrecisionPolicy
+from .api import MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
     from ._state import RootContext
@@ -83,7 +84,11 @@ class ParamGroup:
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int | None,
+        offload_policy: OffloadPolicy | None = None,
     ) -> None:
+        compute_device = mesh_device(comm.mesh)
+        if HostOffload.for_policy(offload_policy, compute_device) is not None:
+            check_offloadable(params)
         self.params = params
         for p in params:
             p.group = weakref.ref(self)
@@ -100,8 +105,9 @@ class ParamGroup:
         for (dtype, _, _), idx in by_dtype.items():
             compute = mp_policy.param_dtype if (mp_policy.param_dtype and dtype.is_floating_point) else dtype
             reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and dtype.is_floating_point) else compute
+            offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its copies
             bucket = FlatBucket(
-                [params[i] for i in idx], [originals[i] for i in idx], comm, device, compute, reduce
+                [params[i] for i in idx], [originals[i] for i in idx], comm, device, compute, reduce, offload
             )
             bucket.mp_policy = mp_policy
             # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
@@ -413,11 +419,24 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
 
 
+def check_offloadable(params: list[FSDPParam]) -> None:
+    """``CPUOffloadPolicy`` on an accelerator: tensor subclasses that gather through their
+    own hooks are not offloaded yet (raised before anything changed)."""
+    custom = [p.fqn for p in params if p.extension]
+    if custom:
+        raise NotImplementedError(
+            f"fsdp2: CPUOffloadPolicy on an accelerator mesh does not support parameters whose class "
+            f"defines fsdp_pre_all_gather yet ({', '.join(custom[:3])}); shard them in a fully_shard "
+            "call of their own without offload_policy"
+        )
+
+
 def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> None:
-    """The sharded parameters are real tensors on the mesh's device type."""
+    """The sharded parameters are real tensors on the mesh's device type (the host's when
+    offloaded)."""
     for b in buckets:
         device = b.sharded_flat.device
-        if device.type not in ("meta", mesh_type):
+        if device.type not in ("meta", mesh_type) and (b.offload is None or device != b.offload.host):
             raise RuntimeError(
                 f"fsdp2: parameters of group '{name}' are on {device} but its mesh is on "
                 f"{mesh_type}; move the model with model.to({mesh_type!r}) or build the mesh "

@@ -152,7 +152,7 @@ class BucketReduce:
         """The pooled reduce input, ``W x N``, acquired on first use."""
         b, layout = self.bucket, self.layout()
         if self._input is None:
-            self._input = b.comm.pool.acquire(b.comm_numel(), b.reduce_dtype, b.sharded_flat.device)
+            self._input = b.comm.pool.acquire(b.comm_numel(), b.reduce_dtype, b.device)
         world = b.comm.shard_size
         return self._input[: world * layout.numel].view(world, layout.numel)
 
@@ -275,6 +275,8 @@ class BucketReduce:
             used = result[layout.flags_base : layout.numel].clone()
             scalar_vals = result[layout.scalar_base : layout.flags_base].to(b.dtype, copy=True)
             staged = stage(layout, grads, used, scalar_vals, self.divide_factor)
+            if b.offload is not None:  # to the host, where the shards and the optimizer are
+                staged = (layout, b.offload.to_host(grads), used, b.offload.to_host(scalar_vals))
         self.release_buffers()
         return staged
 

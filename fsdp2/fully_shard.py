@@ -104,8 +104,11 @@ def fully_shard(
     info = MeshInfo.from_mesh(mesh, spmd)
     fsdp_params = [FSDPParam(fqns[p], owners[p], p, info, dim) for p, dim in zip(params, dims)]
     shard_device = torch.device("meta") if any(p.device.type == "meta" for p in params) else device
-    group = ParamGroup(fsdp_params, params, modules, info, shard_device, mp_policy, reshard_after_forward)
+    group = ParamGroup(
+        fsdp_params, params, modules, info, shard_device, mp_policy, reshard_after_forward, offload_policy
+    )
     group.shared_elsewhere = shared
+    _move_buffers(modules, device)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         group.partial_group, group.partial_index = info.partial_group(reshard_after_forward)
     for fp, original in zip(fsdp_params, params):
@@ -413,8 +416,6 @@ def _validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) ->
             f"offload_policy expects an OffloadPolicy or CPUOffloadPolicy, got {_described(offload_policy)}; "
             "pass fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy()"
         )
-    if type(offload_policy) is not OffloadPolicy and mesh.device_type != "cpu":
-        raise NotImplementedError("CPUOffloadPolicy on accelerator meshes is not implemented yet")
     return mp_policy, offload_policy
 
 
@@ -593,6 +594,19 @@ def _collect_params(
                     slots.append((module, name))
                 fqns.setdefault(p, prefix + name)
     return owners, fqns, deferred
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    """The buffers of the modules this call manages go to the mesh's device, as torch's
+    ``fully_shard`` moves them (the parameters' shards are made there); meta buffers
+    stay for ``to_empty``, and a meta mesh moves nothing."""
+    if device.type == "meta":
+        return
+    for root in modules:
+        for module, _ in _walk_unmanaged(root):
+            for buf in module._buffers.values():
+                if buf is not None and buf.device != device and buf.device.type != "meta":
+                    buf.data = buf.data.to(device)
 
 
 def _managed_elsewhere(p: torch.Tensor) -> FSDPParam | None:

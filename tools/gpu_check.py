@@ -91,7 +91,8 @@ def _train(lib: Any, device: torch.device, mixed: bool, offload: bool, rank: int
         _sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    params = {n: p.full_tensor().detach().float().cpu() for n, p in model.named_parameters()}
+    # Offloaded shards live on the CPU: gathered on the mesh's device.
+    params = {n: p.detach().to(device).full_tensor().float().cpu() for n, p in model.named_parameters()}
     overlap = _overlap(model, opt, device) if lib.__name__ == "fsdp2" else float("nan")
     return {"losses": losses, "params": params, "time": statistics.median(times[1:]) * 1e3, "peak": peak,
             "overlap": overlap}

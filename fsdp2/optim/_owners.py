@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._collectives import traced
+from .._mesh import mesh_device
 from ._pieces import Piece, block_indices, members_in_group_order, sharded_dims
 
 
@@ -84,15 +85,18 @@ def exchange(
     locals_: list[torch.Tensor],
     fn: Callable[[torch.Tensor, int], torch.Tensor],
     out_dtype: torch.dtype,
+    device: torch.device,
 ) -> list[torch.Tensor]:
     """Phases 1-4 for matrices of one exchange group and dtype: ``locals_`` are this
     rank's pieces (contiguous, its local tensors' shapes); returns its pieces of
-    ``fn(matrix, i)`` for each matrix ``i``, cast to ``out_dtype``."""
+    ``fn(matrix, i)`` for each matrix ``i``, cast to ``out_dtype``. The exchange and
+    ``fn`` run on ``device`` (the mesh's: offloaded pieces live on the host)."""
     G, me = len(ex.ranks), ex.me
-    dtype, device = locals_[0].dtype, locals_[0].device
+    dtype, home = locals_[0].dtype, locals_[0].device
     # Phase 1: my piece of each matrix to its owner, grouped by owner.
     order = sorted(range(len(matrices)), key=lambda i: owners[i])
-    send = torch.cat([locals_[i].reshape(-1) for i in order]) if order else torch.empty(0, dtype=dtype, device=device)
+    send = torch.cat([locals_[i].reshape(-1) for i in order]) if order else torch.empty(0, dtype=dtype, device=home)
+    send = send.to(device)
     mine_sizes = [sum(locals_[i].numel() for i in order if owners[i] == k) for k in range(G)]  # to each owner
     mine = [i for i in range(len(matrices)) if owners[i] == me]
     recv_sizes = [sum(math.prod(matrices[i].pieces[k].shape) for i in mine) for k in range(G)]
@@ -112,7 +116,7 @@ def exchange(
     parts = [results[i].to(out_dtype).contiguous().view(matrices[i].shape) for i in mine]
     back = [matrices[i].pieces[k].read(r) for k in range(G) for i, r in zip(mine, parts)]
     send = torch.cat(back) if back else torch.empty(0, dtype=out_dtype, device=device)
-    recv = _all_to_all(send, recv_sizes, mine_sizes, ex.group, "fsdp2::from_owners")  # the way back
+    recv = _all_to_all(send, recv_sizes, mine_sizes, ex.group, "fsdp2::from_owners").to(home)  # the way back
     # Phase 4: my pieces, back in matrix order.
     out: list[torch.Tensor] = [torch.empty(0)] * len(matrices)
     at = 0
@@ -197,14 +201,21 @@ class MatrixOwners:
                     f"shard {tuple(params[i]._local_tensor.shape)}"
                 )
             batches.setdefault((ex.ranks, t.dtype, t.device), []).append(i)
-        for (_, dtype, _), idx in batches.items():
+        for (_, dtype, home), idx in batches.items():
             ex = plans[idx[0]][0]
             matrices = [plans[i][1] for i in idx]
             owners = assign_owners([m.cost for m in matrices], len(ex.ranks))
             pieces = exchange(
                 ex, matrices, owners, [locals_[i].contiguous() for i in idx],
                 lambda full, j, idx=idx: fn(full, idx[j]), out_dtype or dtype,
+                _exchange_device(params[idx[0]], home),
             )
             for i, piece in zip(idx, pieces):
                 out[i] = piece
         return out
+
+
+def _exchange_device(p: DTensor, home: torch.device) -> torch.device:
+    """The mesh's device (where its collectives run), else where the pieces are."""
+    kind = p.device_mesh.device_type
+    return home if kind in ("cpu", "meta") else mesh_device(p.device_mesh)

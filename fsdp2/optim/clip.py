@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
 from .._collectives import traced
+from .._mesh import mesh_device
 from ._pieces import sharded_group
 
 
@@ -64,7 +65,7 @@ def clip_grad_norm_(
             entry = by_group[ranks] = (group, [])
         entry[1].append(local)
     locals_ = [t for _, ts in by_group.values() for t in ts]
-    device = locals_[0].device if locals_ else torch.device("cpu")
+    device = _comm_device(grads, locals_)
     dtype = _acc_dtype(locals_)
     total = torch.zeros((), dtype=dtype, device=device)
     # Phase 2: one all-reduce per group of ranks, then over the pipeline stages.
@@ -95,6 +96,15 @@ def clip_grad_norm_(
         for (dev, dt), ts in by_kind.items():
             torch._foreach_mul_(ts, coef.to(device=dev, dtype=dt))
     return total
+
+
+def _comm_device(grads: list[torch.Tensor], locals_: list[torch.Tensor]) -> torch.device:
+    """Where the norms are summed: the meshes' device (offloaded gradients live on the
+    host, but their collectives run on the accelerator), else the gradients'."""
+    for g in grads:
+        if isinstance(g, DTensor) and g.device_mesh.device_type not in ("cpu", "meta"):
+            return mesh_device(g.device_mesh)
+    return locals_[0].device if locals_ else torch.device("cpu")
 
 
 def _group_of(spec: Any, seen: dict[Any, tuple[dist.ProcessGroup | None, tuple[int, ...]]]) -> tuple:
