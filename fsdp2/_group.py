@@ -178,7 +178,12 @@ class ParamGroup:
                 b.finish_all_gather()
             self.shard_state = ShardState.UNSHARDED
             for p in self.params:
-                p.register_unsharded()
+                leaf = p.unsharded
+                if leaf is None or p.sharded is None or leaf.requires_grad != p.sharded.requires_grad:
+                    p.register_unsharded()  # checks, and settles a changed requires_grad
+                else:
+                    for module, name in p.owners:  # ``register``, inlined: every param, every unshard
+                        module._parameters[name] = leaf
         elif self.shard_state is not ShardState.UNSHARDED:
             raise AssertionError(f"fsdp2 internal error: wait_for_unshard in state {self.shard_state}")
 
@@ -262,7 +267,9 @@ class ParamGroup:
 
     def _check_not_reassigned(self) -> None:
         for fp in self.params:
-            if fp.reassigned() is not None:
+            module, name = fp.owners[0]  # ``fp.reassigned()``, inlined: every param, every unshard
+            current = module._parameters.get(name)
+            if current is not None and current is not fp.sharded and current is not fp.unsharded:
                 _raise_reassigned(self, fp)
 
     # -------------------------------------------------------------------- forward

@@ -38,6 +38,9 @@ class ReduceLayout(NamedTuple):
     # This rank's padding columns (past a shard's real elements): never written by a
     # deposit, zeroed in the result so a flat optimizer step keeps the padding at zero.
     padding: list[tuple[int, int]]
+    # Every entry of ``params`` shards on dim 0 with something to deposit: one
+    # ``torch._chunk_cat`` lays all their gradients out (``_deposit_all_at_once``).
+    dim0: bool
 
     @property
     def scalar_base(self) -> int:
@@ -134,7 +137,8 @@ class BucketReduce:
         padding = [
             (off + p.layout.local_numel, off + p.shard_numel) for p, off in zip(sharded, offsets) if p.layout.padded
         ]
-        self._layout = ReduceLayout(sharded, scalars, offsets, col, col + flags + len(scalars), padding)
+        dim0 = bool(sharded) and all(p.layout.blocks_are_the_value and p.layout.shape.numel() for p in sharded)
+        self._layout = ReduceLayout(sharded, scalars, offsets, col, col + flags + len(scalars), padding, dim0)
         self._layout_key = key
         self.deposited = [False] * flags
         return self._layout
@@ -170,10 +174,45 @@ class BucketReduce:
         in the reduce dtype, to be reduced over TP once, with the synchronizing step's."""
         defer = None if sync else self.bucket.reduce_dtype
         with torch.no_grad():
+            taken = []
             for p in self.bucket.params:
                 grad = p.take_unsharded_grad(defer)
                 if grad is not None:
-                    self.deposit(p, grad)
+                    taken.append((p, grad))
+            if self._deposit_all_at_once(taken):
+                return
+            for p, grad in taken:
+                self.deposit(p, grad)
+
+    def _deposit_all_at_once(self, taken: list[tuple[FSDPParam, torch.Tensor]]) -> bool:
+        """The usual backward: nothing deposited yet, a gradient for every reduced
+        parameter, all sharded on dim 0 and of the reduce dtype. Then one
+        ``torch._chunk_cat`` writes them all (each cut into ``W`` zero-padded chunks,
+        rank-major: the reduce input's layout) instead of one deposit per parameter.
+        False (nothing done) otherwise."""
+        layout = self.layout()
+        in_place = self.bucket.in_place
+        if (
+            self.state is not ReduceState.IDLE
+            or not layout.dim0
+            or len(taken) != len(layout.params) + len(layout.scalars)
+            or (in_place is not None and in_place.lent)
+        ):
+            return False
+        sharded = [(p, g) for p, g in taken if not p.is_replicated]
+        dtype = self.bucket.reduce_dtype
+        if any(g.dtype != dtype or p is not q for (p, g), q in zip(sharded, layout.params)):
+            return False
+        self._advance(ReduceState.ACCUMULATING, ReduceState.IDLE)
+        buf = self.input2d()
+        with traced("fsdp2::deposit_grads"):
+            torch._chunk_cat([g for _, g in sharded], 0, buf.shape[0], out=buf[:, : layout.grad_numel])
+        for p in layout.params:
+            self.deposited[p.rs_index] = True
+        for p, grad in taken:
+            if p.is_replicated:
+                self.deposit(p, grad)
+        return True
 
     def deposit(self, p: FSDPParam, grad: torch.Tensor) -> None:
         """Add (or copy, if first) ``p``'s unsharded gradient into the reduce input."""

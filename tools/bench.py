@@ -18,7 +18,8 @@
   model (1-D, where torch's works): median time of one call.
 * host (one rank on the fake process group, where collectives cost nothing): the time
   each library adds to the plain local step, for the deep model at 8 and 64 ranks and a
-  4-block model of 32 experts each at 8 ranks (the accelerator path's host overhead).
+  4-block model of 32 experts each at 8 ranks, and 4 blocks of width 1024 at 1,024 ranks
+  (every dim divides evenly; the accelerator path's host overhead).
 
 Collectives are counted by wrapping the ``torch.distributed`` functions both libraries
 call; bytes are the logical payload: all-gather output, reduce-scatter input (fsdp2 on
@@ -278,12 +279,15 @@ class _MoE(torch.nn.Module):
 
 HOST = {  # fake process group: one rank of a job of ``world`` ranks, collectives free
     "deep@8": ("deep", 8), "deep@64": ("deep", 64), "moe@8": ("moe", 8),
+    "even@1024": ("even", 1024),  # every dim divides by 1024: no padding to copy
 }
+# 4 blocks of width 1024 (hidden 2048, vocab 1024), one sequence of 16 tokens.
+EVEN = ModelArgs(vocab_size=1024, dim=1024, n_layers=4, n_heads=8, hidden_dim=2048, max_seq_len=16)
 
 
 def _host_model(kind: str) -> tuple[torch.nn.Module, Any]:
-    if kind == "deep":
-        spec = MODELS["deep"]
+    if kind in ("deep", "even"):
+        spec = MODELS["deep"] if kind == "deep" else dict(args=EVEN, batch=1, seq=16)
         model = Transformer(spec["args"])
         model.init_weights(0)
         tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1))

@@ -3,6 +3,7 @@ their local shards, which buckets step as one flat tensor, and reusing last step
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -54,21 +55,18 @@ def _reuse_plan(
 
 
 def _snapshot(state: dict, f: _FlatSwapped) -> tuple[list, list]:
-    """What a flat plan relies on: (objects compared by identity, values compared by ==)."""
-    objects: list = [f.bucket.sharded_flat]
-    values: list = []
-    for p in f.params:
-        st = state.get(p)
-        objects.append(p._local_tensor)
-        objects.append(st)
-        for k, v in st.items() if st is not None else ():
-            values.append(k)
-            if isinstance(v, torch.Tensor):
-                objects.append(v)
-                if not isinstance(v, DTensor):
-                    values.append(v._version)  # a step count written since: plan afresh
-            else:
-                values.append(v)
+    """What a flat plan relies on: (objects compared by identity, values compared by ==):
+    the flat buffer, each local shard, each state dict and its values (taken after a
+    step and compared before the next, so even a float the step stored is the same
+    object unless someone replaced it); its keys, and the versions of plain tensors in
+    it (a step count written since: plan afresh). Built with C-level iteration: this
+    runs for every bucket every step."""
+    sts = [state.get(p) for p in f.params]
+    present = [st for st in sts if st is not None]
+    vals = list(itertools.chain.from_iterable(st.values() for st in present))
+    objects = [f.bucket.sharded_flat, *[p._local_tensor for p in f.params], *sts, *vals]
+    values = list(itertools.chain.from_iterable(present))
+    values += [v._version for v in vals if type(v) is torch.Tensor]
     return objects, values
 
 
