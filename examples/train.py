@@ -240,7 +240,7 @@ def synthetic_batch(step: int, rank: int, args: argparse.Namespace, device: torc
     for _ in range(args.seq_len):
         seq.append((seq[-1] * 3 + 1) % args.vocab)
     tokens = torch.cat(seq, dim=1).to(device)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -446,7 +446,13 @@ def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any
         module.to_empty(device=device)
         init_weights(module, args.seed)
         modules.append(module)
-        stages.append(PipelineStage(module, index, count, device, group=mesh["pp"].get_group()))
+        # The stage's input and output shapes, given: no shape-inference messages between
+        # stages at the first step (objects, which fsdp2.estimate's fake process group
+        # cannot deliver).
+        inputs, outputs = stage_shapes(args, index, count)
+        grads = dict(output_grads=outputs if index < count - 1 else None, input_grads=inputs if index else None)
+        stages.append(PipelineStage(module, index, count, device, input_args=inputs, output_args=outputs,
+                                    group=mesh["pp"].get_group(), **grads))
     schedule_cls = getattr(pipelining, f"Schedule{args.pp_schedule}")
     schedule = schedule_cls(stages if per_rank > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
     first, last = 0 in mine, count - 1 in mine
@@ -458,6 +464,20 @@ def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any
         return torch.stack(losses).mean() if losses else None  # mean over micro-batches
 
     return Trainer(_local_model(modules), train_step, mesh["dp"].get_local_rank(), mesh["pp"])
+
+
+def stage_shapes(args: argparse.Namespace, index: int, count: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    """Meta examples of pipeline stage ``index``'s input and output, per micro-batch:
+    token ids into the first stage, hidden states (compute dtype) between stages,
+    logits out of the last."""
+    micro = args.batch_size // args.microbatches
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+
+    def hidden(width: int) -> torch.Tensor:  # requires grad: gradients flow back through it
+        return torch.empty(micro, args.seq_len, width, dtype=dtype, device="meta", requires_grad=True)
+
+    first = torch.empty(micro, args.seq_len, dtype=torch.long, device="meta")
+    return (first if index == 0 else hidden(args.dim),), hidden(args.vocab if index == count - 1 else args.dim)
 
 
 def _local_model(stages: list[nn.Module]) -> nn.Module:

@@ -32,7 +32,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_ranks, run_scenarios
 from _models import worst
 from test_accelerator_path import accelerator_path
@@ -181,8 +180,9 @@ def _themes(rank: int, world: int, lib_name: str, path: str) -> dict[str, Any]:
 def _where(rank: int, world: int) -> dict[str, Any]:
     """One step of a two-block model: where the shards, gradients, optimizer state and
     gathered parameters live, and whether the flat optimizer step ran."""
-    import fsdp2
     from _models import ToyModel, batch, loss_fn
+
+    import fsdp2
     from fsdp2.optim.local_step import local_step_stats
 
     rec = force_offload()

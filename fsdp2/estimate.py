@@ -1,0 +1,345 @@
+"""How much memory one rank of a large job needs, measured on this CPU.
+
+    python -m fsdp2.estimate --nproc-per-node 8 --nnodes 128 -- examples/train.py --tp 8 --meta-init
+    python -m fsdp2.estimate --nproc-per-node 8 --nnodes 128 --compare "--ac full" --compare "--bf16" \\
+        -- examples/train.py --tp 8 --meta-init
+
+runs a torchrun script as rank ``--rank`` (default 0) of a job of ``nproc-per-node x
+nnodes`` ranks, in this process: ``init_process_group`` starts torch's fake process group
+(collectives cost nothing and move no data), so the script builds only this rank's
+shards, gathers one group at a time and computes on its real local batch, and the
+tensors it allocates are the ones that rank of the real job allocates (fsdp2 takes the
+accelerator's path, as under NCCL). It stops after ``--steps`` training steps (steps of
+the first optimizer; default 2, so the optimizer state exists) and reports the peak of
+live tensor bytes on the rank, split by category at that moment (``fsdp2._memory``),
+with the phase and module of the peak, per step. ``--json`` prints the report as JSON;
+``--compare ARGS`` (repeatable) runs the script again with ``ARGS`` appended and prints
+the peaks side by side.
+
+Scripts need no change beyond what torchrun scripts do: the torchrun environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``...) is set, and the script's
+``init_process_group`` (any backend) gets the fake one. It runs on the CPU, so a script
+must fall back to the CPU when CUDA is absent. What cannot work this way (object
+collectives such as a checkpoint's, data from other ranks) stops the run with the
+script's error and a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._memory import CATEGORIES, MemoryTracker
+
+
+class _Done(BaseException):
+    """The requested steps ran (a BaseException: scripts' ``except Exception`` let it by)."""
+
+
+class Session:
+    """One estimated run: the tracker, where the step is, and the per-step peaks."""
+
+    def __init__(self, steps: int, progress: bool) -> None:
+        self.steps, self.progress = steps, progress
+        self.tracker = MemoryTracker(self.phase, self.where)
+        self._stack: list[torch.nn.Module] = []
+        self._names: dict[int, str] = {}
+        self._order: dict[int, int] = {}
+        self._in_optimizer = 0
+        self._first_optimizer: Any = None
+        self.done_steps = 0
+        self.per_step: list[dict[str, Any]] = []
+        self._start = time.perf_counter()
+
+    # -------------------------------------------------------------------- where
+    def phase(self) -> str:
+        if self._in_optimizer:
+            return "optimizer"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward" if self._stack else "other"
+
+    def where(self) -> str:
+        if self._stack:
+            return self._names.get(id(self._stack[-1]), type(self._stack[-1]).__name__)
+        if self.phase() == "backward":
+            node = torch._C._current_autograd_node()
+            op = f"autograd {node.name()}" if node is not None else ""
+            return ", ".join(w for w in (self._backward_group(), op) if w)
+        return ""
+
+    def _backward_group(self) -> str:
+        """The fsdp2 group computing gradients now: of those gathered for backward, the
+        latest in forward order (earlier ones are prefetched)."""
+        from ._group import TrainingState
+
+        best, where = -1, ""
+        for m in self.tracker._fsdp_modules():
+            order = self._order.get(id(m), -1)
+            if m._fsdp2_state.group.training_state is TrainingState.PRE_BACKWARD and order > best:
+                best, where = order, self._names.get(id(m), type(m).__name__)
+        return where
+
+    # -------------------------------------------------------------------- hooks
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._stack and id(module) not in self._names:
+            for i, (name, m) in enumerate(module.named_modules()):
+                self._names.setdefault(id(m), name or "<root>")
+                self._order.setdefault(id(m), i)
+            self.tracker.note_module(module)
+        self._stack.append(module)
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._stack and self._stack[-1] is module:
+            self._stack.pop()
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Steps are counted by the first optimizer that steps: step ``k`` runs up to its
+        ``k``-th step (step 1: setup, forward and backward; step 2: the first optimizer
+        step, which makes the optimizer's state, forward and backward)."""
+        self.tracker.note_optimizer(optimizer)
+        if self._first_optimizer is None:
+            self._first_optimizer = optimizer
+        if optimizer is self._first_optimizer and not self._in_optimizer:
+            self._end_step()
+        self._in_optimizer += 1
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._in_optimizer -= 1
+
+    def _end_step(self) -> None:
+        """The previous training step is complete: note its peak, start the next."""
+        t = self.tracker
+        self.per_step.append({"step": self.done_steps + 1, "peak": t.peak, "split": dict(t.peak_split),
+                              "phase": t.peak_at[0], "module": t.peak_at[1], "device": dict(t.peak_device)})
+        self.done_steps += 1
+        self._note(f"step {self.done_steps}: peak {_mib(t.peak)} ({t.peak_at[0]}, {t.peak_at[1] or '-'})")
+        t.reset_peak()
+        if self.done_steps >= self.steps:
+            raise _Done
+
+    def _note(self, text: str) -> None:
+        if self.progress:
+            print(f"[fsdp2.estimate {time.perf_counter() - self._start:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+    def run(self, script: str, args: list[str]) -> None:
+        from torch.nn.modules import module as module_hooks
+        from torch.optim import optimizer as optimizer_hooks
+
+        handles = [
+            module_hooks.register_module_forward_pre_hook(self._pre_forward),
+            module_hooks.register_module_forward_hook(self._post_forward, always_call=True),
+            optimizer_hooks.register_optimizer_step_pre_hook(self._pre_step),
+            optimizer_hooks.register_optimizer_step_post_hook(self._post_step),
+        ]
+        import fsdp2
+
+        shard = fsdp2.fully_shard
+
+        def fully_shard(module: Any, *a: Any, **k: Any) -> Any:
+            out = shard(module, *a, **k)
+            for m in module if isinstance(module, (list, tuple)) else [module]:
+                self.tracker.note_module(m)  # its shards count as parameters from now on
+            return out
+
+        fsdp2.fully_shard = fully_shard  # type: ignore[assignment]
+        argv = sys.argv
+        sys.argv = [script, *args]
+        try:
+            with self.tracker:
+                runpy.run_path(script, run_name="__main__")
+            if not self.per_step:  # no optimizer: the whole script is one step
+                try:
+                    self._end_step()
+                except _Done:
+                    pass
+        except _Done:
+            pass
+        finally:
+            sys.argv = argv
+            fsdp2.fully_shard = shard  # type: ignore[assignment]
+            for h in handles:
+                h.remove()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def fake_distributed(rank: int, world: int, local_world: int) -> None:
+    """The torchrun environment of ``rank``, and ``init_process_group`` starting the fake
+    process group whatever backend or store the script asks for."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % local_world),
+        "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(rank // local_world),
+        "MASTER_ADDR": "localhost", "MASTER_PORT": "29500",
+    })
+    os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.init_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        original("fake", store=FakeStore(), rank=rank, world_size=world)
+
+    dist.init_process_group = distributed_c10d.init_process_group = init_process_group  # type: ignore[assignment]
+    _static_pipeline_stages()
+
+
+def _static_pipeline_stages() -> None:
+    """Pipeline stages agree on their shapes by a vote and, unless every stage was given
+    them (``input_args``/``output_args``), by exchanging them as objects, which the fake
+    process group cannot deliver. Here each stage takes its own vote as the result (a
+    script gives its stages alike) and one without shapes stops with the reason."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def vote(self: Any, received_result: Any = None) -> torch.Tensor:
+        if InferenceMode.needs_dynamic(self._user_meta, True):
+            raise RuntimeError(
+                f"pipeline stage {self.stage_index} was built without its shapes; under fsdp2.estimate "
+                "give PipelineStage input_args= and output_args= (meta tensors of one micro-batch), "
+                "since stages otherwise exchange them as objects, which the fake process group cannot deliver"
+            )
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    PipelineStage._warmup_backward_result = vote  # type: ignore[method-assign]
+
+
+def estimate(script: str, args: list[str], world: int, rank: int, local_world: int, steps: int,
+             progress: bool = True) -> dict[str, Any]:
+    """Run ``script`` as ``rank`` of ``world`` and return the report (see ``main``)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"fsdp2.estimate: --rank must be in [0, {world}), got {rank}")
+    fake_distributed(rank, world, local_world)
+    session = Session(steps, progress)
+    session._note(f"running {script} as rank {rank} of {world} on the fake process group")
+    error = None
+    try:
+        session.run(script, args)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            error = f"the script exited with {e.code}"
+    except Exception as e:  # noqa: BLE001 (reported, with why it may not run here)
+        error = f"{type(e).__name__}: {e}"
+    if error is not None and not session.per_step:
+        raise RuntimeError(
+            f"fsdp2.estimate: {script} stopped before completing a training step ({error}). Under the "
+            "estimate the script runs on the CPU, on a fake process group whose collectives move no data; "
+            "scripts that need CUDA, object collectives (checkpoint save/load, all_gather_object) or data "
+            "from other ranks cannot run this way: switch those parts off with the script's flags"
+        )
+    steps_out = session.per_step
+    worst = max(steps_out, key=lambda s: s["peak"]) if steps_out else None
+    return {"script": [script, *args], "world_size": world, "rank": rank, "steps": steps_out,
+            "peak": worst, "note": error}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    peak = report["peak"]
+    lines = [f"rank {report['rank']} of {report['world_size']}: {' '.join(report['script'])}"]
+    if peak is None:
+        return lines[0] + "\n  (no training step completed)"
+    lines.append(f"peak live tensors: {_mib(peak['peak'])} in step {peak['step']}, "
+                 f"{peak['phase']}{', ' + peak['module'] if peak['module'] else ''}")
+    for c in CATEGORIES:
+        share = peak["split"][c] / peak["peak"] if peak["peak"] else 0.0
+        lines.append(f"  {c:22s} {_mib(peak['split'][c]):>14s}  {share:6.1%}")
+    if peak.get("device"):
+        dev = peak["device"]
+        lines.append(f"  CUDA allocator then: allocated {_mib(dev['allocated'])}, reserved {_mib(dev['reserved'])} "
+                     f"(the caching allocator holds {_mib(dev['reserved'] - dev['allocated'])} more)")
+    lines.append("per step: " + ", ".join(f"{s['step']}: {_mib(s['peak'])} ({s['phase']})" for s in report["steps"]))
+    if report.get("note"):
+        lines.append(f"note: the script stopped early: {report['note']}")
+    return "\n".join(lines)
+
+
+def _compare(ns: argparse.Namespace, script: str, args: list[str]) -> int:
+    variants = [("(as given)", [])] + [(v, v.split()) for v in ns.compare]
+    reports = []
+    for label, extra in variants:
+        cmd = [sys.executable, "-m", "fsdp2.estimate", "--nproc-per-node", str(ns.nproc_per_node),
+               "--nnodes", str(ns.nnodes), "--rank", str(ns.rank), "--steps", str(ns.steps), "--json",
+               "--", script, *args, *extra]
+        print(f"[fsdp2.estimate] {label}", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            print(f"fsdp2.estimate: the variant {label!r} failed (its error is above)", file=sys.stderr)
+            return done.returncode
+        reports.append((label, json.loads(done.stdout.strip().splitlines()[-1])))
+    if ns.json:
+        print(json.dumps({label: r for label, r in reports}))
+        return 0
+    width = max(len(label) for label, _ in reports)
+    print(f"{'variant':{width}s}  {'peak':>14s}  " + "  ".join(f"{c[:12]:>12s}" for c in CATEGORIES))
+    for label, r in reports:
+        p = r["peak"]
+        cells = "  ".join(f"{p['split'][c] / 2**20:12,.1f}" for c in CATEGORIES)
+        print(f"{label:{width}s}  {_mib(p['peak']):>14s}  {cells}")
+    print("(MiB; the split is at each variant's peak)")
+    return 0
+
+
+def _measure(ns: argparse.Namespace, script: str, args: list[str]) -> int:
+    """The same tracking in a real run (each rank tracks; ``--rank`` reports)."""
+    rank = int(os.environ.get("RANK", "0"))
+    session = Session(ns.steps, progress=rank == ns.rank)
+    session.run(script, args)
+    if rank == ns.rank:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        worst = max(session.per_step, key=lambda s: s["peak"]) if session.per_step else None
+        report = {"script": [script, *args], "world_size": world, "rank": rank, "steps": session.per_step,
+                  "peak": worst, "note": None}
+        print(json.dumps(report) if ns.json else format_report(report), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        print("usage: python -m fsdp2.estimate [options] -- script.py [script args]  (see --help)", file=sys.stderr)
+        if "-h" not in argv and "--help" not in argv:
+            return 2
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(prog="python -m fsdp2.estimate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0, help="the rank to run (default 0)")
+    p.add_argument("--steps", type=int, default=2, help="training steps to run (default 2)")
+    p.add_argument("--json", action="store_true", help="print the report as one line of JSON")
+    p.add_argument("--compare", action="append", default=[], metavar="ARGS",
+                   help="also run with these script arguments appended (repeatable)")
+    p.add_argument("--measure", action="store_true",
+                   help="no fake process group: track a real run (under torchrun: "
+                        "torchrun ... -m fsdp2.estimate --measure -- script.py); rank --rank reports")
+    ns = p.parse_args(argv[:split])
+    rest = argv[split + 1 :]
+    if not rest:
+        p.error("name the script after --")
+    script, args = rest[0], rest[1:]
+    if ns.measure:
+        return _measure(ns, script, args)
+    if ns.compare:
+        return _compare(ns, script, args)
+    report = estimate(script, args, ns.nproc_per_node * ns.nnodes, ns.rank, ns.nproc_per_node, ns.steps,
+                      progress=True)
+    sys.stdout.flush()
+    print(json.dumps(report) if ns.json else format_report(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``python -m fsdp2.estimate``: one rank of a job on the fake process group.
+
+* Accuracy: the estimate of rank 0 at world size 4 (the command itself, as the README
+  shows it) equals the peak of live tensor bytes that rank 0 allocates in a real 4-rank
+  gloo run of the same script, tracked the same way (``fsdp2.estimate.Session``), within
+  5%: 1-D, FSDP over TP and a pipeline schedule. The real run takes the accelerator's
+  collectives (what the estimate models) rather than gloo's own strategies.
+* The split, by construction: sharded parameters = the padded shards of the example's
+  model at that world size; AdamW's state = two such shards (plus step counters).
+* A script that cannot run under the estimate gets a clear message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from _dist import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train.py")
+SMALL = ["--steps", "3", "--dim", "64", "--layers", "2", "--vocab", "256", "--seq-len", "32"]
+VARIANTS = {"1d": [], "tp": ["--tp", "2"], "pp": ["--pp", "2", "--batch-size", "4"]}
+
+
+def _estimate_cli(world: int, args: list[str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "fsdp2.estimate", "--nproc-per-node", str(world), "--json", "--", SCRIPT, *args]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _real(rank: int, world: int, args: list[str]) -> dict[str, Any] | None:
+    import torch.distributed as dist
+    from test_accelerator_path import accelerator_path
+
+    from fsdp2.estimate import Session
+
+    accelerator_path()
+    dist.init_process_group = lambda *a, **k: None  # the harness started gloo already
+    session = Session(steps=2, progress=False)
+    session.run(SCRIPT, args)
+    return session.per_step if rank == 0 else None
+
+
+@functools.cache
+def _pair(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    args = SMALL + VARIANTS[name]
+    return _estimate_cli(4, args), run_ranks(_real, 4, args)[0]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_estimate_matches_a_real_run(name: str) -> None:
+    estimated, real = _pair(name)
+    assert len(estimated["steps"]) == len(real) == 2, (estimated["steps"], real)
+    for est, got in zip(estimated["steps"], real):
+        assert abs(est["peak"] - got["peak"]) <= 0.05 * got["peak"], (name, est["peak"], got["peak"])
+
+
+def test_split_by_construction() -> None:
+    """Step 2 of the 1-D run: the sharded parameters are the padded shards of every
+    parameter (dim 0 over 4 ranks) and AdamW keeps two of them."""
+    estimated, _ = _pair("1d")
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import torch
+    from model import ModelArgs, Transformer
+
+    args = ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, hidden_dim=176, max_seq_len=32)
+    with torch.device("meta"):
+        model = Transformer(args)
+    padded = sum(math.ceil(p.shape[0] / 4) * (p.numel() // p.shape[0]) * 4 for p in model.parameters())
+    split = estimated["steps"][1]["split"]
+    assert split["sharded parameters"] == padded, (split, padded)
+    steps_bytes = 4 * len(list(model.parameters()))  # AdamW's step counters
+    assert 2 * padded <= split["optimizer state"] <= 2 * padded + steps_bytes, (split, padded)
+    assert sum(split.values()) == estimated["steps"][1]["peak"]
+
+
+def test_a_script_that_cannot_run_gets_a_reason(tmp_path: Any) -> None:
+    script = tmp_path / "needs_cuda.py"
+    script.write_text("import torch\nimport torch.distributed as dist\ndist.init_process_group('nccl')\n"
+                      "torch.zeros(1, device='cuda')\n")
+    done = subprocess.run([sys.executable, "-m", "fsdp2.estimate", "--nproc-per-node", "8", "--", str(script)],
+                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode != 0
+    assert "stopped before completing a training step" in done.stderr and "CUDA" in done.stderr, done.stderr[-2000:]
