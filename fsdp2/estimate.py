@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import runpy
 import subprocess
 import sys
@@ -283,12 +284,14 @@ def _compare(ns: argparse.Namespace, script: str, args: list[str]) -> int:
         print(json.dumps({label: r for label, r in reports}))
         return 0
     width = max(len(label) for label, _ in reports)
-    print(f"{'variant':{width}s}  {'peak':>14s}  " + "  ".join(f"{c[:12]:>12s}" for c in CATEGORIES))
+    short = ("sharded", "gathered", "grads", "optimizer", "comm", "activations", "other")
+    print(f"{'variant':{width}s}  {'peak':>14s}  " + "  ".join(f"{c:>11s}" for c in short))
     for label, r in reports:
         p = r["peak"]
-        cells = "  ".join(f"{p['split'][c] / 2**20:12,.1f}" for c in CATEGORIES)
+        cells = "  ".join(f"{p['split'][c] / 2**20:11,.1f}" for c in CATEGORIES)
         print(f"{label:{width}s}  {_mib(p['peak']):>14s}  {cells}")
-    print("(MiB; the split is at each variant's peak)")
+    print("(MiB, at each variant's peak: sharded and gathered parameters, gradients, optimizer state, "
+          "communication buffers, activations, other)")
     return 0
 
 
@@ -296,14 +299,26 @@ def _measure(ns: argparse.Namespace, script: str, args: list[str]) -> int:
     """The same tracking in a real run (each rank tracks; ``--rank`` reports)."""
     rank = int(os.environ.get("RANK", "0"))
     session = Session(ns.steps, progress=rank == ns.rank)
+    baseline = _rss()
     session.run(script, args)
     if rank == ns.rank:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         worst = max(session.per_step, key=lambda s: s["peak"]) if session.per_step else None
+        # The process's peak resident memory above what it held before the script (Linux).
+        rss = {"baseline": baseline, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         report = {"script": [script, *args], "world_size": world, "rank": rank, "steps": session.per_step,
-                  "peak": worst, "note": None}
+                  "peak": worst, "note": None, "rss": rss}
         print(json.dumps(report) if ns.json else format_report(report), flush=True)
     return 0
+
+
+def _rss() -> int:
+    """Resident bytes of this process now (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,7 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure", action="store_true",
                    help="no fake process group: track a real run (under torchrun: "
                         "torchrun ... -m fsdp2.estimate --measure -- script.py); rank --rank reports")
-    ns = p.parse_args(argv[:split])
+    head = argv[:split]
+    # ``--compare "--ac full"``: a value that starts with "-", which argparse takes for a flag.
+    head = [f"--compare={head[i + 1]}" if a == "--compare" and i + 1 < len(head) else a
+            for i, a in enumerate(head) if i == 0 or head[i - 1] != "--compare"]
+    ns = p.parse_args(head)
     rest = argv[split + 1 :]
     if not rest:
         p.error("name the script after --")

@@ -90,3 +90,16 @@ def test_a_script_that_cannot_run_gets_a_reason(tmp_path: Any) -> None:
                           check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode != 0
     assert "stopped before completing a training step" in done.stderr and "CUDA" in done.stderr, done.stderr[-2000:]
+
+
+def test_compare_prints_each_variant() -> None:
+    """``--compare`` reruns with the flags appended; full activation checkpointing keeps
+    fewer activations than none."""
+    cmd = [sys.executable, "-m", "fsdp2.estimate", "--nproc-per-node", "8", "--json", "--compare", "--ac full",
+           "--", SCRIPT, *SMALL]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(out) == ["(as given)", "--ac full"], list(out)
+    act = {k: v["peak"]["split"]["activations"] for k, v in out.items()}
+    assert act["--ac full"] < act["(as given)"], act

@@ -20,6 +20,10 @@
   each library adds to the plain local step, for the deep model at 8 and 64 ranks and a
   4-block model of 32 experts each at 8 ranks, and 4 blocks of width 1024 at 1,024 ranks
   (every dim divides evenly; the accelerator path's host overhead).
+* estimate: ``python -m fsdp2.estimate`` of rank 0 at world size 4 against a real 4-rank
+  gloo run of the example (``--measure``): its tracked live-tensor peak and its peak RSS
+  above the process's baseline (the real run takes gloo's own strategies, the estimate
+  the accelerator's, so the two differ by what those strategies save).
 
 Collectives are counted by wrapping the ``torch.distributed`` functions both libraries
 call; bytes are the logical payload: all-gather output, reduce-scatter input (fsdp2 on
@@ -355,15 +359,47 @@ def bench_host(steps: int) -> None:
         )
 
 
+ESTIMATE_ARGS = ["--dim", "512", "--layers", "8", "--heads", "8", "--vocab", "8192", "--seq-len", "256",
+                 "--batch-size", "4", "--meta-init", "--steps", "3"]
+
+
+def bench_estimate() -> None:
+    """``python -m fsdp2.estimate`` at world size 4 against a real 4-rank gloo run of the
+    same script: rank 0's tracked live-tensor peak, and its peak RSS above what the
+    process held before the script (large blocks mmapped, so RSS follows live memory)."""
+    import json
+    import subprocess
+
+    script = os.path.join(ROOT, "examples", "train.py")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    est_cmd = [sys.executable, "-m", "fsdp2.estimate", "--nproc-per-node", "4", "--json", "--", script, *ESTIMATE_ARGS]
+    real_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                "-m", "fsdp2.estimate", "--measure", "--json", "--", script, *ESTIMATE_ARGS]
+    out = {}
+    for label, cmd in (("estimate", est_cmd), ("real", real_cmd)):
+        done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              cwd=ROOT, env=env)
+        out[label] = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
+    est, real = out["estimate"]["peak"]["peak"], out["real"]["peak"]["peak"]
+    rss = out["real"]["rss"]["peak"] - out["real"]["rss"]["baseline"]
+    print(f"\n== memory estimate: examples/train.py {' '.join(ESTIMATE_ARGS)}, rank 0 of 4")
+    print(f"  estimate (fake PG) {est / 2**20:8.1f} MiB | real gloo run: tracked {real / 2**20:8.1f} MiB"
+          f" (estimate/tracked {est / real:.3f}), peak RSS above baseline {rss / 2**20:8.1f} MiB"
+          f" (estimate/RSS {est / rss:.3f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "host", "all"], default="all")
+    p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "host", "estimate", "all"],
+                   default="all")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    names = ["deep", "wide", "local", "big", "optim", "host"] if args.model == "all" else [args.model]
+    names = ["deep", "wide", "local", "big", "optim", "host", "estimate"] if args.model == "all" else [args.model]
     for name in names:
-        if name == "host":
+        if name == "estimate":
+            bench_estimate()
+        elif name == "host":
             bench_host(args.steps)
         elif name == "optim":
             bench_optim(args.steps)
