@@ -1,10 +1,10 @@
 """fsdp2: fully sharded data parallel training, a drop-in for torch's ``fully_shard``."""
 
-from ._state_dict import StateDictError
-from ._knobs import share_comm_ctx
-from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from . import optim  # noqa: F401 (fsdp2.optim.Muon after import fsdp2)
+from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from ._state_dict import StateDictError
+from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .fully_shard import fully_shard
 from .optim import clip_grad_norm_
 
 __all__ = [

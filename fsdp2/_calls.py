@@ -15,15 +15,21 @@ are collectives still in flight (see there).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ._tree import collect_tensors, map_tensors
 
-if TYPE_CHECKING:
-    from ._group import ParamGroup
+
+class CountedGroup(Protocol):
+    """What the counted nodes need of a group (``_group.ParamGroup``, one layer up: it
+    passes itself in, it is not imported)."""
+
+    calls: BackwardCalls
+
+    def post_backward_node(self, counted: bool) -> None: ...
 
 
 class BackwardCalls:
@@ -66,7 +72,7 @@ class BackwardCalls:
         if generation == self.generation and self.pending > 0:
             self.pending -= 1
 
-    def route_inputs(self, group: ParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def route_inputs(self, group: CountedGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Pass the call's inputs that require grad through a new counted node."""
         inputs = collect_tensors((args, kwargs), _requires_grad)
         if not inputs:
@@ -145,7 +151,7 @@ class _PostBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, group: ParamGroup, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+    def forward(ctx: Any, group: CountedGroup, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
         ctx.group = group
         ctx.set_materialize_grads(False)
         # [still counted, generation]; cleared when backward runs, else the finalizer

@@ -18,11 +18,11 @@ from torch.distributed.tensor import DTensor
 from ._param import FSDPParam
 
 if TYPE_CHECKING:
-    from ._bucket import FlatBucket
+    from ._bucket_view import BucketView
 
 
 class GradCommit:
-    def __init__(self, bucket: FlatBucket) -> None:
+    def __init__(self, bucket: BucketView) -> None:
         self.bucket = bucket
         # Weak: ``zero_grad(set_to_none=True)`` frees them. (flat tensor, the gradient
         # DTensors over it in ``params`` order)

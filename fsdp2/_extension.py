@@ -4,7 +4,7 @@
 A parameter whose local tensor defines both methods keeps its class when sharded, in one
 of two ways. A subclass wrapping one tensor with the standard ``__tensor_unflatten__``
 (``SubclassWrapper``) is rebuilt around its block of the bucket's sharded flat buffer,
-so the bucket owns the storage as for plain parameters. Any other subclass (several
+so the bucket owns the storage as for plain parameters (``_subclass.py``). Any other subclass (several
 inner tensors, an unflatten of its own) is sharded through its own ops, as torch shards
 it (``FSDPParam.dispatch_shard``): its shard owns its storage, and the bucket, which
 holds only such parameters, has an empty flat buffer. Either way the (plain) gradients
@@ -30,64 +30,14 @@ import torch
 from ._collectives import Pending, all_gather_flat, traced, wait_pending
 
 if TYPE_CHECKING:
-    from ._bucket import FlatBucket
+    from ._bucket_view import BucketView
     from ._param import FSDPParam
-
-
-def has_extension(local: torch.Tensor) -> bool:
-    """``local`` customizes its all-gather (both hooks, or an error naming the missing one)."""
-    pre, post = hasattr(local, "fsdp_pre_all_gather"), hasattr(local, "fsdp_post_all_gather")
-    if pre != post:
-        raise ValueError(
-            f"{type(local).__name__} defines only fsdp_{'pre' if pre else 'post'}_all_gather; an all-gather "
-            "extension needs both fsdp_pre_all_gather and fsdp_post_all_gather"
-        )
-    return pre
-
-
-class SubclassWrapper:
-    """Rebuilds a one-inner-tensor subclass around another tensor (``__tensor_flatten__``
-    / ``__tensor_unflatten__``): the fast path, whose shards are views of the bucket's
-    flat buffer. ``of`` gives None for every other subclass (several inner tensors, an
-    ``__tensor_unflatten__`` of another signature or one that does not rebuild it):
-    those are sharded through their own ops (``FSDPParam.dispatch_shard``), as torch
-    shards them."""
-
-    def __init__(self, cls: type, name: str, ctx: Any) -> None:
-        self.cls, self.name, self.ctx = cls, name, ctx
-
-    @classmethod
-    def of(cls, local: torch.Tensor) -> SubclassWrapper | None:
-        flatten = getattr(local, "__tensor_flatten__", None)
-        unflatten = getattr(type(local), "__tensor_unflatten__", None)
-        if flatten is None or unflatten is None:
-            return None
-        names, ctx = flatten()
-        try:
-            n_args = len(inspect.signature(unflatten).parameters)
-        except (TypeError, ValueError):
-            return None
-        if len(names) != 1 or n_args != 4:
-            return None
-        wrapper = cls(type(local), names[0], ctx)
-        inner = getattr(local, names[0])
-        try:  # one trial rebuild around its own inner tensor
-            rebuilt = wrapper.wrap(inner)
-        except Exception:  # noqa: BLE001 - it rebuilds some other way: the general path
-            return None
-        return wrapper if type(rebuilt) is type(local) and wrapper.inner(rebuilt) is inner else None
-
-    def inner(self, t: torch.Tensor) -> torch.Tensor:
-        return getattr(t, self.name) if isinstance(t, self.cls) else t
-
-    def wrap(self, plain: torch.Tensor) -> torch.Tensor:
-        return self.cls.__tensor_unflatten__({self.name: plain}, self.ctx, plain.shape, plain.stride())
 
 
 class ExtensionGather:
     """The gather of one bucket of extension parameters."""
 
-    def __init__(self, bucket: FlatBucket) -> None:
+    def __init__(self, bucket: BucketView) -> None:
         self.bucket = bucket
         self.outputs: list[list[torch.Tensor]] = [[] for _ in bucket.params]  # per parameter, kept
         self.inners: list[tuple[torch.Tensor, ...]] = [() for _ in bucket.params]  # post's, to free

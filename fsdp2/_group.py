@@ -35,23 +35,41 @@ from __future__ import annotations
 import operator
 import weakref
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ._bucket import FlatBucket
-from ._mesh import MeshInfo, mesh_device
 from ._calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
+from ._mesh import MeshInfo, mesh_device
 from ._offload import HostOffload
 from ._param import FSDPParam
 from ._shared import SharedParam
 from ._tree import cast_floating
 from .api import MixedPrecisionPolicy, OffloadPolicy
 
-if TYPE_CHECKING:
-    from ._state import RootContext
+
+class StepContext(Protocol):
+    """What a group asks of the step context its root made at lazy init
+    (``_state.RootContext``, one layer up: it is handed to the group, not imported)."""
+
+    root: ParamGroup
+    in_backward: bool
+    active_forwards: int
+
+    def record_forward(self, group: ParamGroup) -> None: ...
+    def forward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]: ...
+    def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]: ...
+    def on_backward_start(self) -> None: ...
+    def keeps_for_backward(self, group: ParamGroup) -> bool: ...
+    def free_unreferenced(self, current: ParamGroup) -> None: ...
+    def add_pending_reduce(self, group: ParamGroup, bucket: FlatBucket) -> None: ...
+    def make_room_for_reduce(self, group: ParamGroup) -> None: ...
+    def reduce_in_flight(self) -> torch.futures.Future | None: ...
+    def finish_reduces_of(self, group: ParamGroup) -> None: ...
+    def reset(self) -> None: ...
 
 
 # Backward prefetches of in-place buckets start behind the reduce in storage still in
@@ -141,7 +159,7 @@ class ParamGroup:
         self.held_by_user = False
         self.in_pipeline_stage = False  # run by an ``fsdp2.pipelining`` stage
         self.order_index = -1  # position in the root's recorded forward order
-        self.ctx: RootContext | None = None
+        self.ctx: StepContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
         self._checked_flats: list[torch.Tensor] = []  # sharded flats found materialized
         # Weak refs to optimizers whose fast-path step over this group is not undone yet

@@ -41,7 +41,7 @@ from ._param import FSDPParam
 from ._reduce import BucketReduce, ReduceLayout, Staged, stage, write
 
 if TYPE_CHECKING:
-    from ._bucket import FlatBucket
+    from ._bucket_view import BucketView
 
 # Buckets of at least this many bytes, on at least this many ranks, gather and reduce
 # in place on gloo; smaller ones are latency-bound and 2 ranks run faster pooled
@@ -57,7 +57,7 @@ class InPlace:
     """The in-place gather and reduce of one bucket."""
 
     @staticmethod
-    def applies(bucket: FlatBucket) -> bool:
+    def applies(bucket: BucketView) -> bool:
         world = bucket.comm.shard_size
         return (
             world > 1
@@ -71,7 +71,7 @@ class InPlace:
             and world * bucket.shard_numel * bucket.compute_dtype.itemsize >= IN_PLACE_MIN_BYTES
         )
 
-    def __init__(self, bucket: FlatBucket) -> None:
+    def __init__(self, bucket: BucketView) -> None:
         self.bucket = bucket
         self.gathers = GATHER_IN_PLACE
         self.gather_group = bucket.comm.local.gather_group(bucket.comm.shard_group) if self.gathers else None

@@ -117,19 +117,6 @@ class CommKnobs:
         check_bool("set_allocate_memory_from_process_group_for_comm", enable)
 
 
-def share_comm_ctx(modules: list[Any]) -> None:
-    """Share communication streams among several roots (pipeline stages). fsdp2's roots
-    already share everything such a context holds (one buffer pool per device, the
-    current stream), so this only checks that ``modules`` are fully_shard-ed."""
-    from .fully_shard import FSDPModule
-
-    if not isinstance(modules, (list, tuple)):
-        raise TypeError(f"share_comm_ctx expects a list of FSDPModule, got {type(modules).__name__}")
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(f"share_comm_ctx expects a list of FSDPModules, got {type(m).__name__}")
-
-
 def check_bool(method: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{method} expects a bool, got {type(value).__name__} {value!r}")

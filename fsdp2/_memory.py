@@ -150,7 +150,7 @@ class MemoryTracker(TorchDispatchMode):
         self.optimizers.add(optimizer)
 
     def _fsdp_modules(self) -> list[Any]:
-        from .fully_shard import FSDPModule
+        from ._module import FSDPModule
 
         found = {id(m): m for root in self.modules for m in root.modules() if isinstance(m, FSDPModule)}
         return list(found.values())

@@ -24,13 +24,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._extension import SubclassWrapper, has_extension
 from ._layout import ShardLayout
 from ._mesh import MeshInfo, SpmdDims
-
+from ._subclass import SubclassWrapper, has_extension
 
 # id(unsharded leaf) -> its FSDPParam (weakly), to tell an optimizer that was handed the
 # unsharded parameters (``unsharded_owner``).
+# process-wide: the global optimizer hooks see only tensors; an entry is weak and is
+# trusted only if its FSDPParam still holds that very tensor, so models never mix.
 _LEAF_OWNER: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
 
 
@@ -43,6 +44,7 @@ def unsharded_owner(t: torch.Tensor) -> FSDPParam | None:
 # id(sharded parameter) -> its FSDPParam: which parameters fsdp2 manages. Weak on the
 # FSDPParam, not on the tensor: a weakref on a parameter makes ``module._apply`` unable
 # to swap it.
+# process-wide: as ``_LEAF_OWNER`` (the optimizer hooks and clip see only tensors).
 _SHARDED_OWNER: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
 
 

@@ -60,6 +60,8 @@ class RankLocal:
 
 
 # The default process group of a rank -> its state (weak: see the module docstring).
+# process-wide: one entry per rank (a thread under the threaded process group), each
+# rank reading only its own.
 _BY_WORLD: weakref.WeakKeyDictionary[dist.ProcessGroup, RankLocal] = weakref.WeakKeyDictionary()
 _UNINITIALIZED = RankLocal()  # before init_process_group (fully_shard on a mesh still needs one)
 

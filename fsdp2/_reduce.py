@@ -26,7 +26,7 @@ from ._collectives import Pending, all_reduce_in_place, reduce_scatter_flat, tra
 from ._param import FSDPParam
 
 if TYPE_CHECKING:
-    from ._bucket import FlatBucket
+    from ._bucket_view import BucketView
 
 
 class ReduceLayout(NamedTuple):
@@ -67,7 +67,7 @@ class ReduceState(Enum):
 class BucketReduce:
     """Deposits the gradients of one bucket and reduces them over the mesh."""
 
-    def __init__(self, bucket: FlatBucket) -> None:
+    def __init__(self, bucket: BucketView) -> None:
         self.bucket = bucket
         self.state = ReduceState.IDLE
         self.deposited: list[bool] = []

@@ -321,12 +321,8 @@ def _rss() -> int:
         return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        print("usage: python -m fsdp2.estimate [options] -- script.py [script args]  (see --help)", file=sys.stderr)
-        if "-h" not in argv and "--help" not in argv:
-            return 2
+def parse_command(argv: list[str]) -> tuple[argparse.Namespace, str, list[str]]:
+    """The estimator's options, the script and its arguments (argparse errors exit 2)."""
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(prog="python -m fsdp2.estimate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,8 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(head)
     rest = argv[split + 1 :]
     if not rest:
-        p.error("name the script after --")
-    script, args = rest[0], rest[1:]
+        p.error("name the script after --: python -m fsdp2.estimate [options] -- script.py [script args]")
+    return ns, rest[0], rest[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns, script, args = parse_command(sys.argv[1:] if argv is None else argv)
     if ns.measure:
         return _measure(ns, script, args)
     if ns.compare:

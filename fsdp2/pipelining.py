@@ -41,7 +41,7 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ._group import ParamGroup
-from .fully_shard import _groups_under
+from ._module import groups_under
 
 __all__ = ["PipelineStage", "adapt_stage"]
 
@@ -58,7 +58,7 @@ class _Fsdp2Stage(_PipelineStageBase):
         _mark(self.submod)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        groups = _groups_under(self.submod)
+        groups = groups_under(self.submod)
         for g in groups:  # Phase 1
             g.requires_gradient_sync = g.reshard_after_backward = False
             if g.ctx is not None:
@@ -69,20 +69,20 @@ class _Fsdp2Stage(_PipelineStageBase):
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)  # type: ignore[misc]
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        for ctx in _contexts(_groups_under(self.submod)):  # Phase 2
+        for ctx in _contexts(groups_under(self.submod)):  # Phase 2
             ctx.reduce_accumulated()
         super().perform_reduce_grad(grad_scale_factor)  # type: ignore[misc]
 
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
         """Shape inference runs a real backward: nothing of it is reduced."""
-        for g in _groups_under(self.submod):
+        for g in groups_under(self.submod):
             g.requires_gradient_sync = False
         return super()._prepare_backward_infra(*args, **kwargs)  # type: ignore[misc]
 
     def _post_metadata_inference_cleanup(self) -> None:
         """Shape inference ran a real forward and backward: forget all of it."""
         super()._post_metadata_inference_cleanup()  # type: ignore[misc]
-        groups = _groups_under(self.submod)
+        groups = groups_under(self.submod)
         for ctx in _contexts(groups):
             ctx.reset()
         for g in groups:
@@ -106,7 +106,7 @@ def adapt_stage(stage: Any) -> Any:
 
 def _mark(submod: nn.Module) -> None:
     """Tell the stage's groups who drives them (else their first forward refuses to run)."""
-    for g in _groups_under(submod):
+    for g in groups_under(submod):
         g.in_pipeline_stage = True
 
 

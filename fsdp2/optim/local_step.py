@@ -100,6 +100,7 @@ class LocalSteps:
 
 # optimizer -> its LocalSteps: a weak attachment (the entry goes with the optimizer; one
 # optimizer's entry is never read for another).
+# process-wide: torch.optim has no per-optimizer slot of ours; keyed by the optimizer.
 _ATTACHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, LocalSteps] = weakref.WeakKeyDictionary()
 
 
@@ -251,6 +252,7 @@ def _eligible(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bo
 # must be global: fsdp2 cannot see an optimizer being created over its parameters, only
 # its steps, and a user's optimizer needs no call of ours. Each is a no-op for
 # optimizers stepping no fsdp2 parameter.
+# process-wide: so are the hooks it holds (installed once).
 _HOOKS: list[Any] = []
 
 

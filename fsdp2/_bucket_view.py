@@ -1,0 +1,45 @@
+"""What a bucket's helpers read of it.
+
+``_bucket.FlatBucket`` owns its reduce (``_reduce.BucketReduce``), its commit
+(``_commit.GradCommit``), its gloo in-place strategy (``_in_place.InPlace``) and its
+subclass gather (``_extension.ExtensionGather``), and hands itself to each. They read it
+through this protocol, one layer down, rather than importing the bucket: the storage
+layer then reads bottom-up (see CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from ._mesh import MeshInfo
+from ._offload import HostOffload
+from ._param import FSDPParam
+
+
+class BucketView(Protocol):
+    params: list[FSDPParam]  # the bucket's parameters, in flat order
+    sharded_params: list[FSDPParam]  # those that shard (the rest: replicated scalars)
+    scalars: list[FSDPParam]
+    comm: MeshInfo
+    name: str  # for messages
+    dtype: torch.dtype  # the parameters'
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    device: torch.device  # where gathers and reduces run
+    offload: HostOffload | None
+    shard_numel: int  # S: the sum of the padded shard sizes
+    blocks_are_the_values: bool  # every parameter shards on dim 0
+    extension: bool  # subclasses with an all-gather extension
+    sharded_flat: torch.Tensor
+    unsharded_flat: torch.Tensor
+    unsharded_write: torch.Tensor  # ``unsharded_flat.data``
+    regions: list[torch.Tensor]  # each sharded parameter's W x shard_numel region
+    write_views: list[torch.Tensor]
+    reduce: Any  # its ``BucketReduce``
+    in_place: Any  # its ``InPlace`` strategy, or None
+
+    def comm_numel(self) -> int: ...
+    def alloc_unsharded(self) -> None: ...
+    def free_unsharded(self) -> None: ...

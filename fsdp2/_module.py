@@ -1,0 +1,274 @@
+"""``FSDPModule``: the mixin every module ``fully_shard`` was applied to gains (its
+methods tune the module's group: unshard/reshard, gradient sync, resharding, prefetch,
+division), ``UnshardHandle``, ``register_fsdp_forward_method`` and ``share_comm_ctx``."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from typing import Any
+
+from torch import nn
+
+from . import _classes
+from ._group import ParamGroup, ShardState, TrainingState
+from ._knobs import CommKnobs, check_bool
+from ._state import FSDPState
+from ._state_dict import validate_state_dict
+from ._validate import reshard_after_forward_value
+
+
+class FSDPModule(CommKnobs):
+    """Mixin of every module ``fully_shard`` was applied to."""
+
+    _fsdp2_state: FSDPState
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Constructing a generated ``FSDP<Name>`` class (e.g. ``nn.Sequential``'s slicing,
+        ``model[:2]``, builds ``type(self)(...)``) makes the original class: a new module
+        fully_shard was not applied to, holding the same (sharded) children."""
+        original = next(c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(
+            "a fully_shard-ed module cannot be deep-copied: its parameters are shards tied to "
+            "process groups; deepcopy the model before calling fully_shard"
+        )
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a fully_shard-ed module cannot be pickled; save its state_dict() "
+            "(e.g. with torch.distributed.checkpoint) instead"
+        )
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters; with ``async_op`` return a handle to wait on.
+
+        Once gathered, the modules show the unsharded ``nn.Parameter``s. Called outside
+        any forward, this opens a window for the caller's own computations: the
+        parameters stay gathered (the module's forward does not free them) until
+        ``reshard()`` or the end of the next backward, code may call inner modules
+        directly, and the gradients it computes on them are reduced at the end of that
+        backward. Called during a forward (to prefetch), the module's forward and
+        backward free and reduce as usual."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"unshard(async_op=...) expects a bool, got {type(async_op).__name__}")
+        group = self._fsdp2_state.group
+        ctx = group.ctx  # None before the first forward (which makes the root)
+        group.unshard()
+        if ctx is None or not (ctx.active_forwards or ctx.in_backward):
+            group.held_by_user = True
+            group.calls.reduce_at_finalize = True  # gradients may come without a forward of ours
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (a no-op when already sharded); ends the window
+        an ``unshard()`` outside a forward opened."""
+        group = self._fsdp2_state.group
+        group.reshard()
+        if group.training_state is TrainingState.IDLE and not (group.ctx is not None and group.ctx.in_backward):
+            group.calls.reduce_at_finalize = False
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward or backward: reshard everything and drop
+        this iteration's gradients and pending communication."""
+        group = self._fsdp2_state.group
+        if group.ctx is not None:
+            group.ctx.reset()  # resets every group under the root
+            return
+        for g in groups_under(self):  # before the first forward: no root context yet
+            g.reset()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step. When ``False``,
+        its reduce-scatters stay in flight and finish at the next last backward."""
+        check_bool("set_is_last_backward", is_last_backward)
+        group = self._fsdp2_state.group
+        if group.ctx is not None and group.ctx.root is not group:
+            raise RuntimeError(
+                "set_is_last_backward must be called on the root module (the outermost module "
+                f"fully_shard was applied to), not on {type(self).__name__}"
+            )
+        group.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False`` accumulates unsharded gradients locally without communication
+        (gradient accumulation); the next backward with ``True`` reduces the sum."""
+        check_bool("set_requires_gradient_sync", requires_gradient_sync)
+        for g in self._target_groups(recurse):
+            g.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters gradients within the shard group but does not
+        all-reduce them over the replicas; the sums wait, and the next backward with
+        ``True`` all-reduces them together (gradient accumulation with less traffic).
+        Nothing to do on a 1D mesh."""
+        check_bool("set_requires_all_reduce", requires_all_reduce)
+        for g in self._target_groups(recurse):
+            g.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` (see ``fully_shard``) for later forwards."""
+        group = self._fsdp2_state.group
+        reshard_after_forward = reshard_after_forward_value(reshard_after_forward, group.comm.shard_size)
+        if reshard_after_forward is None:
+            raise ValueError("set_reshard_after_forward expects a bool or an int, got None")
+        partial = None
+        if not isinstance(reshard_after_forward, bool):
+            partial = group.comm.partial_group(reshard_after_forward)
+        for g in self._target_groups(recurse):
+            g.reshard_after_forward = reshard_after_forward
+            g.reshard_after_forward_arg = reshard_after_forward
+            if partial is not None:
+                g.partial_group, g.partial_index = partial
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps parameters unsharded after backward (saves the next forward's
+        all-gather during gradient accumulation, at the cost of memory)."""
+        check_bool("set_reshard_after_backward", reshard_after_backward)
+        for g in self._target_groups(recurse):
+            g.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: this module's parameters are not all-gathered for backward, for
+        modules whose backward does not read them (e.g. an embedding: its weight's
+        gradient needs only the indices). Gradients are reduced as usual."""
+        check_bool("set_unshard_in_backward", unshard_in_backward)
+        self._fsdp2_state.group.unshard_in_backward = unshard_in_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters right after this module's, in forward."""
+        self._fsdp2_state.group.forward_prefetch = _prefetch_groups("set_modules_to_forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters right after this module's, in backward."""
+        self._fsdp2_state.group.backward_prefetch = _prefetch_groups("set_modules_to_backward_prefetch", modules)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the mesh size."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
+        for g in self._target_groups(True):
+            g.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict`` that accepts sharded DTensors or full tensors, and
+        checks the whole dict (keys, shapes, dtypes) before loading anything."""
+        validate_state_dict(self, state_dict, strict)  # type: ignore[arg-type]
+        groups = groups_under(self)  # type: ignore[arg-type]
+        for g in groups:
+            g.reshard()
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+        if assign:  # the dict's tensors replaced ours: copy them into our storage
+            for g in groups:
+                g.rebind()
+        return result
+
+    def _target_groups(self, recurse: bool) -> list[ParamGroup]:
+        return groups_under(self) if recurse else [self._fsdp2_state.group]
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``to_empty``/``to``/``double`` replace parameter data: re-point it at our storage.
+        group = self._fsdp2_state.group
+        group.reshard()
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        group.rebind()
+        return out
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def __init__(self, group: ParamGroup | None = None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None and self._group.shard_state is ShardState.GATHERING:
+            self._group.wait_for_unshard()
+        self._group = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` inside the same unshard/reshard hooks as ``forward``
+    (e.g. ``generate``). A no-op for modules ``fully_shard`` was not applied to."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
+    state = module._fsdp2_state
+    original = getattr(module, method_name).__func__
+
+    @functools.wraps(original)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(args, kwargs)
+        try:
+            output = original(self, *args, **kwargs)
+        except BaseException:
+            state.on_forward_exception()
+            raise
+        return state.post_forward(output)
+
+    setattr(module, method_name, types.MethodType(wrapped, module))
+
+
+def groups_under(module: nn.Module) -> list[ParamGroup]:
+    groups: list[ParamGroup] = []
+    for sub in module.modules():
+        state = sub.__dict__.get("_fsdp2_state")
+        if state is not None and state.group not in groups:
+            groups.append(state.group)
+    return groups
+
+
+def _prefetch_groups(method: str, modules: Any) -> list[ParamGroup]:
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"{method} expects a list of FSDPModule, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"{method} expects modules that fully_shard was applied to, got {type(m).__name__}; "
+                "call fully_shard on it first or leave it out"
+            )
+    return [m._fsdp2_state.group for m in modules]
+
+
+def fsdp_class(cls: type) -> type:
+    """The generated ``FSDP<Name>`` subclass of ``(FSDPModule, cls)``, one per class,
+    registered in ``fsdp2._classes`` so that it has an importable name."""
+    if issubclass(cls, FSDPModule):
+        return cls
+    cached = _classes.generated.get(cls)
+    if cached is not None:
+        return cached
+    name = f"FSDP{cls.__name__}"
+    unique, n = name, 1
+    while hasattr(_classes, unique):
+        n += 1
+        unique = f"{name}_{n}"
+    new_cls = type(name, (FSDPModule, cls), {"__module__": _classes.__name__, "__qualname__": unique})
+    setattr(sys.modules[_classes.__name__], unique, new_cls)
+    _classes.generated[cls] = new_cls
+    return new_cls
+
+
+def share_comm_ctx(modules: list[Any]) -> None:
+    """Share communication streams among several roots (pipeline stages). fsdp2's roots
+    already share everything such a context holds (one buffer pool per device, the
+    current stream), so this only checks that ``modules`` are fully_shard-ed."""
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"share_comm_ctx expects a list of FSDPModule, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects a list of FSDPModules, got {type(m).__name__}")

@@ -1,0 +1,60 @@
+"""Parameters of tensor subclasses with an all-gather extension: which ones have it, and
+how a one-inner-tensor subclass is rebuilt around another tensor (its block of the
+bucket's flat buffer). The gather itself is ``_extension.ExtensionGather``."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+
+def has_extension(local: torch.Tensor) -> bool:
+    """``local`` customizes its all-gather (both hooks, or an error naming the missing one)."""
+    pre, post = hasattr(local, "fsdp_pre_all_gather"), hasattr(local, "fsdp_post_all_gather")
+    if pre != post:
+        raise ValueError(
+            f"{type(local).__name__} defines only fsdp_{'pre' if pre else 'post'}_all_gather; an all-gather "
+            "extension needs both fsdp_pre_all_gather and fsdp_post_all_gather"
+        )
+    return pre
+
+
+class SubclassWrapper:
+    """Rebuilds a one-inner-tensor subclass around another tensor (``__tensor_flatten__``
+    / ``__tensor_unflatten__``): the fast path, whose shards are views of the bucket's
+    flat buffer. ``of`` gives None for every other subclass (several inner tensors, an
+    ``__tensor_unflatten__`` of another signature or one that does not rebuild it):
+    those are sharded through their own ops (``FSDPParam.dispatch_shard``), as torch
+    shards them."""
+
+    def __init__(self, cls: type, name: str, ctx: Any) -> None:
+        self.cls, self.name, self.ctx = cls, name, ctx
+
+    @classmethod
+    def of(cls, local: torch.Tensor) -> SubclassWrapper | None:
+        flatten = getattr(local, "__tensor_flatten__", None)
+        unflatten = getattr(type(local), "__tensor_unflatten__", None)
+        if flatten is None or unflatten is None:
+            return None
+        names, ctx = flatten()
+        try:
+            n_args = len(inspect.signature(unflatten).parameters)
+        except (TypeError, ValueError):
+            return None
+        if len(names) != 1 or n_args != 4:
+            return None
+        wrapper = cls(type(local), names[0], ctx)
+        inner = getattr(local, names[0])
+        try:  # one trial rebuild around its own inner tensor
+            rebuilt = wrapper.wrap(inner)
+        except Exception:  # noqa: BLE001 - it rebuilds some other way: the general path
+            return None
+        return wrapper if type(rebuilt) is type(local) and wrapper.inner(rebuilt) is inner else None
+
+    def inner(self, t: torch.Tensor) -> torch.Tensor:
+        return getattr(t, self.name) if isinstance(t, self.cls) else t
+
+    def wrap(self, plain: torch.Tensor) -> torch.Tensor:
+        return self.cls.__tensor_unflatten__({self.name: plain}, self.ctx, plain.shape, plain.stride())

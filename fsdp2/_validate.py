@@ -1,0 +1,270 @@
+"""``fully_shard``'s arguments checked before anything changes: each misuse raises what
+was expected, what was given and the fix (``TypeError``/``ValueError``), and the
+default mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ._mesh import SpmdDims
+from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+
+
+def validate_modules(module: Any) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard expects a module or a non-empty list of modules, got an empty list")
+    seen: set[int] = set()
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module (or a list of them), got {type(m).__name__}")
+        if id(m) in seen:
+            raise ValueError(f"fully_shard got the same {type(m).__name__} twice in its list; pass each module once")
+        seen.add(id(m))
+        if "_fsdp2_state" in m.__dict__:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module, "
+                "bottom-up (blocks first, then the root)"
+            )
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard got a {type(m).__name__}, a container without forward: fsdp2 gathers a "
+                "module's parameters when its forward runs, and this one never runs. Apply fully_shard "
+                "to each child, or pass the children as one group: fully_shard(list(container"
+                + (".values()" if isinstance(m, nn.ModuleDict) else "") + "))"
+            )
+    return modules
+
+
+def validate_mesh(mesh: Any) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1D mesh (FSDP) or a 2D (replicate, shard) mesh (HSDP), got a "
+            f"{mesh.ndim}D mesh {tuple(mesh.mesh.shape)}; for tensor parallel, parallelize the model over "
+            "mesh['tp'] first and pass the data-parallel part, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']"
+        )
+    if mesh.device_type not in ("cpu", "meta"):
+        module = getattr(torch, mesh.device_type, None)
+        if module is None or not module.is_available():
+            raise ValueError(
+                f"fully_shard got a mesh of device type {mesh.device_type!r}, which is not available "
+                "here; build the mesh with init_device_mesh('cpu', ...) for gloo"
+            )
+    if mesh.device_type != "meta" and mesh.get_coordinate() is None:
+        raise ValueError("this rank is not part of the mesh passed to fully_shard")
+
+
+def reshard_after_forward_value(value: Any, world: int) -> bool | int | None:
+    """``value`` checked against the shard size ``world``, an int that means a bool turned
+    into it: 1 (keep all of them, reshard to one rank's worth) is ``False`` and the
+    shard size is ``True``."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward expects a bool, an int or None, got {type(value).__name__}")
+    if not (1 <= value <= world and world % value == 0):
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard size {world} (the data-parallel "
+            "dim parameters are sharded over); "
+            "use True (free all) or False (keep all) otherwise"
+        )
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) keeps the whole parameters after forward, as "
+            "reshard_after_forward=False does; pass True to free them",
+            stacklevel=3,
+        )
+        return False
+    return True if value == world else value
+
+
+def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The policies as fsdp2's own classes: torch's equal dataclasses are taken over field by
+    field, so a script (or a library such as accelerate) that builds them from
+    ``torch.distributed.fsdp`` and calls fsdp2's ``fully_shard`` runs unchanged."""
+    mp_policy = _from_torch(mp_policy, (MixedPrecisionPolicy,))
+    offload_policy = _from_torch(offload_policy, (CPUOffloadPolicy, OffloadPolicy))
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy expects a MixedPrecisionPolicy, got {_described(mp_policy)}; pass e.g. "
+            "fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy expects an OffloadPolicy or CPUOffloadPolicy, got {_described(offload_policy)}; "
+            "pass fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy()"
+        )
+    return mp_policy, offload_policy
+
+
+def _from_torch(policy: Any, ours: tuple[type, ...]) -> Any:
+    """fsdp2's class for a policy of torch's own class of the same name and fields."""
+    if isinstance(policy, ours) or isinstance(policy, type) or not dataclasses.is_dataclass(policy):
+        return policy
+    if not type(policy).__module__.startswith("torch.distributed"):
+        return policy
+    for cls in ours:
+        if type(policy).__name__ == cls.__name__:
+            names = {f.name for f in dataclasses.fields(cls) if f.init}
+            theirs = {f.name for f in dataclasses.fields(policy) if f.init}
+            if names != theirs:
+                raise TypeError(
+                    f"torch's {cls.__name__} has the fields {sorted(theirs)}, fsdp2's {sorted(names)}: this torch "
+                    f"is newer than fsdp2 knows; build fsdp2.{cls.__name__}(...) instead"
+                )
+            return cls(**{n: getattr(policy, n) for n in names})
+    return policy
+
+
+def _described(obj: Any) -> str:
+    if isinstance(obj, type):
+        return f"the class {obj.__module__}.{obj.__qualname__} (call it: {obj.__qualname__}(...))"
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def validate_ignored(ignored_params: Any) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)):
+        raise TypeError(f"ignored_params expects a set of parameters, got {type(ignored_params).__name__}")
+    return {id(p) for p in ignored_params}
+
+
+def shard_dims(
+    params: list[torch.Tensor], fqns: dict, placement_fn: Callable | None, mesh: DeviceMesh, check_tp: bool
+) -> list[int]:
+    """The dim each parameter shards on (0 unless ``shard_placement_fn`` says otherwise),
+    checking that tensor-parallel parameters can compose with ``mesh``."""
+    dims = []
+    for p in params:
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if isinstance(p, DTensor) and check_tp:
+            _validate_tp_param(p, fqns[p], mesh)
+        placement = placement_fn(p) if placement_fn is not None else None
+        if placement is None:
+            dims.append(0)
+            continue
+        if type(placement) is not Shard:
+            raise ValueError(
+                f"shard_placement_fn returned {placement!r} for {fqns[p]}; it may return None or Shard(dim)"
+            )
+        dim = placement.dim
+        if local.dim() == 0 or not -local.dim() <= dim < local.dim():
+            raise ValueError(
+                f"shard_placement_fn returned Shard({dim}) for {fqns[p]} of shape {tuple(local.shape)}: "
+                + ("a 0-dim parameter is replicated, return None for it" if local.dim() == 0
+                   else f"the dim must lie in [{-local.dim()}, {local.dim() - 1}]")
+            )
+        dims.append(dim % local.dim())
+    return dims
+
+
+def _validate_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:
+    if p.device_mesh.device_type != mesh.device_type:
+        raise ValueError(
+            f"parameter {fqn} is a DTensor on a {p.device_mesh.device_type} mesh but fully_shard got a "
+            f"{mesh.device_type} mesh; build both from one init_device_mesh"
+        )
+    _check_placement_kinds(p, fqn)
+    overlap = set(_mesh_ranks(p.device_mesh)) & set(_mesh_ranks(mesh))
+    if overlap != {dist.get_rank()} and mesh.device_type != "meta":
+        raise ValueError(
+            f"parameter {fqn} is already a DTensor on {p.device_mesh}, which shares ranks with the "
+            f"data-parallel mesh {mesh}; parallelize over the tensor-parallel dims (mesh['tp']) and pass "
+            "the data-parallel dims (mesh['dp']) to fully_shard, or, for parameters already on the "
+            "whole mesh, pass that mesh and name its data-parallel dims: fully_shard(module, mesh=mesh, "
+            "dp_mesh_dims=DataParallelMeshDims(shard='dp'))"
+        )
+
+
+def _check_placement_kinds(p: DTensor, fqn: str) -> None:
+    if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
+        raise ValueError(
+            f"parameter {fqn} has placements {tuple(p.placements)}; fully_shard composes with DTensor "
+            "parameters placed with Shard or Replicate only"
+        )
+
+
+def validate_dp_mesh_dims(dims: Any, mesh: Any) -> DataParallelMeshDims:
+    if not isinstance(dims, DataParallelMeshDims):
+        if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
+            raise TypeError(f"dp_mesh_dims expects a DataParallelMeshDims, got {type(dims).__name__}")
+        dims = DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate)  # e.g. torch's own
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fully_shard(dp_mesh_dims=...) needs mesh= the full SPMD mesh with mesh_dim_names, e.g. "
+            f"init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); got {mesh!r}"
+        )
+    names = mesh.mesh_dim_names
+    given = dims.shard_names + dims.replicate_names
+    missing = [n for n in given if n not in names]
+    if missing:
+        raise ValueError(f"dp_mesh_dims names {missing} that are not dims of the mesh {names}")
+    if len(set(given)) != len(given):
+        raise ValueError(f"dp_mesh_dims names a mesh dim twice: {dims!r}")
+    for field, group in (("shard", dims.shard_names), ("replicate", dims.replicate_names)):
+        order = [names.index(n) for n in group]
+        if order != sorted(order):
+            raise ValueError(
+                f"dp_mesh_dims.{field}={group!r} lists mesh dims out of the mesh's order {names}; "
+                f"list them in that order: {tuple(sorted(group, key=names.index))!r}"
+            )
+    return dims
+
+
+def validate_spmd_params(params: list[torch.Tensor], fqns: dict, spmd: SpmdDims) -> None:
+    """Every parameter of an SPMD group is a DTensor on the full mesh, replicated over the
+    data-parallel dims and placed with Shard or Replicate on the others."""
+    names = spmd.mesh.mesh_dim_names
+    for p in params:
+        fqn = fqns[p]
+        if not isinstance(p, DTensor):
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a plain tensor; every parameter must "
+                f"already be a DTensor on the full mesh {names} (distribute_tensor / distribute_module), "
+                "with Replicate() on the data-parallel dims"
+            )
+        if p.device_mesh != spmd.mesh:
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a DTensor on {p.device_mesh}, not on the "
+                f"mesh passed to fully_shard {spmd.mesh}; distribute it over that mesh"
+            )
+        for i in sorted(spmd.dp):
+            if not isinstance(p.placements[i], Replicate):
+                raise ValueError(
+                    f"fully_shard(dp_mesh_dims=...): parameter {fqn} has placements {tuple(p.placements)}; "
+                    f"expected Replicate() on the data-parallel dim {names[i]!r} (fully_shard shards it)"
+                )
+        _check_placement_kinds(p, fqn)
+
+
+def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
+    """The ranks of ``mesh``'s slice that contains this rank."""
+    return [r for g in range(mesh.ndim) for r in dist.get_process_group_ranks(mesh.get_group(g))]
+
+
+def default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise ValueError(
+            "fully_shard(mesh=None) needs torch.distributed initialized; call "
+            "dist.init_process_group(...) first (torchrun sets the environment) or pass a mesh"
+        )
+    backend = dist.get_backend()
+    device_type = "cpu" if backend == "gloo" else _accelerator_type()
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _accelerator_type() -> str:
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return acc.type if acc is not None else "cpu"

@@ -1,0 +1,123 @@
+"""The commands the README and ``docs/`` show cannot rot: every command in a ```bash
+block is checked here. The install and test commands are the CI script's (``.ci/run``
+runs them); ``torchrun ... examples/train.py`` lines have their torchrun and script
+arguments parsed (the training itself is ``tests/test_train_example.py``'s);
+``python -m fsdp2.estimate`` lines are parsed (``tests/test_estimate.py`` runs it); tool
+commands are parsed or run. A command of any other kind fails: check it here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+from typing import Any
+from unittest import mock
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The CI script's own steps (``.ci/run``): creating the environment, installing, testing.
+CI_STEPS = ("python3 -m venv", ". .venv/bin/activate", "pip install", "python -m pytest")
+# Values for the shell variables the multi-node commands use.
+SAMPLE_ENV = {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+
+
+def commands(page: pathlib.Path) -> list[str]:
+    """The shell commands of ``page``'s bash blocks: continuation lines joined, comments
+    dropped, ``&&`` chains split."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                out.extend(part.strip() for part in line.split("&&"))
+    return out
+
+
+def _load(path: pathlib.Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def _check_train_args(args: list[str], world: int) -> None:
+    train = _load(ROOT / "examples" / "train.py", "docs_train")
+    with mock.patch.object(sys, "argv", ["train.py", *args]), mock.patch.dict(os.environ, WORLD_SIZE=str(world)):
+        train.parse_args()
+
+
+def _world(nproc: Any, nnodes: Any) -> int:
+    return int(str(nproc)) * int(str(nnodes).split(":")[-1])
+
+
+def check(cmd: str) -> str:
+    """Check one command; returns how (for the failure message)."""
+    if cmd.startswith(CI_STEPS):
+        return "ci"
+    words = shlex.split(re.sub(r"\$([A-Z_]+)", lambda m: SAMPLE_ENV[m.group(1)], cmd))
+    if words[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        parsed = get_args_parser().parse_args(words[1:])
+        if parsed.module and parsed.training_script == "fsdp2.estimate":
+            return check(" ".join(["python", "-m", "fsdp2.estimate", *map(shlex.quote, parsed.training_script_args)]))
+        assert parsed.training_script == "examples/train.py", cmd
+        _check_train_args(parsed.training_script_args, _world(parsed.nproc_per_node, parsed.nnodes))
+        return "parsed"
+    if words[:3] == ["python", "-m", "fsdp2.estimate"]:
+        from fsdp2.estimate import parse_command
+
+        ns, script, args = parse_command(words[3:])
+        if script.endswith("train.py"):
+            world = ns.nproc_per_node * ns.nnodes
+            _check_train_args(args, world)
+            for extra in ns.compare:
+                _check_train_args([*args, *shlex.split(extra)], world)
+        return "parsed"
+    if words[:2] == ["python", "tools/bench.py"]:
+        bench = _load(ROOT / "tools" / "bench.py", "docs_bench")
+        with mock.patch.object(sys, "argv", words[1:]), mock.patch.object(bench, "bench_speed"), \
+                mock.patch.object(bench, "bench_memory"), mock.patch.object(bench, "bench_optim"), \
+                mock.patch.object(bench, "bench_host"), mock.patch.object(bench, "bench_estimate"):
+            bench.main()
+        return "parsed"
+    if words[:2] == ["python", "tools/gpu_check.py"] and "--cpu" not in words:
+        done = subprocess.run([sys.executable, *words[1:]], check=False, capture_output=True, text=True, cwd=ROOT,
+                              env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return "ran"
+    raise AssertionError(f"a documented command no test checks: {cmd!r} (add it to tests/test_docs.py)")
+
+
+ALL = [(page, cmd) for page in PAGES for cmd in commands(page)]
+
+
+@pytest.mark.parametrize("page,cmd", ALL, ids=[f"{p.name}:{i}" for i, (p, _) in enumerate(ALL)])
+def test_documented_command_is_checked(page: pathlib.Path, cmd: str) -> None:
+    check(cmd)
+
+
+def test_pages_have_commands_and_a_wrong_flag_fails() -> None:
+    assert len(ALL) >= 10, ALL
+    with pytest.raises(SystemExit):
+        check("torchrun --standalone --nproc-per-node 2 examples/train.py --no-such-flag")
+    with pytest.raises(AssertionError, match="no test checks"):
+        check("rm -rf build")
+
+
+def test_relative_links_resolve() -> None:
+    """Every relative link of the README and docs points at a file that exists."""
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), (page.name, target)

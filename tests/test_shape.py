@@ -1,0 +1,133 @@
+"""The package keeps its shape: no import circle inside ``fsdp2/`` (``TYPE_CHECKING`` and
+function-level imports count: a two-way dependency goes through an argument or a small
+Protocol, see CONTRIBUTING.md), and no module-level mutable registry without a comment
+saying why it must be process-wide (``# process-wide: ...`` right above it)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fsdp2"
+MUTABLE_CALLS = {
+    "dict", "list", "set", "defaultdict", "deque", "OrderedDict", "Counter",
+    "WeakKeyDictionary", "WeakValueDictionary", "WeakSet",
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The package's modules ``path`` imports, anywhere in the file."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)  # ``from . import optim``
+    return {m for m in found if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = list(PACKAGE.rglob("*.py"))
+    modules = {_module_name(p) for p in paths}
+    graph = {_module_name(p): _imports(p, modules) for p in paths}
+    # A package's __init__ runs when any of its modules is imported: not an edge back.
+    return {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles() -> None:
+    graph = _graph()
+    assert "fsdp2._bucket" in graph and graph["fsdp2._bucket"], "the import graph was not read"
+    assert _cycles(graph) == []
+
+
+def test_the_circle_check_can_fail() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _registries(source: str) -> list[tuple[int, str, bool]]:
+    """(line, name, justified) of each module-level mutable container."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
+        if isinstance(value, ast.Call):
+            func = value.func
+            mutable = mutable or (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")) in MUTABLE_CALLS
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+        if not mutable or names == ["__all__"]:
+            continue
+        above = []  # the comment block right above
+        i = node.lineno - 2
+        while i >= 0 and lines[i].lstrip().startswith("#"):
+            above.append(lines[i])
+            i -= 1
+        out.append((node.lineno, ",".join(names), any("process-wide:" in c for c in above)))
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_level_registries_say_why(path: pathlib.Path) -> None:
+    unjustified = [(line, name) for line, name, ok in _registries(path.read_text()) if not ok]
+    assert unjustified == [], f"{path.name}: module-level mutable state without '# process-wide: why' above it"
+
+
+def test_the_registry_check_can_fail() -> None:
+    source = "A = {}\n# process-wide: one per process\nB: list = []\nC = (1, 2)\n__all__ = ['x']\n"
+    assert _registries(source) == [(1, "A", False), (3, "B", True)]
