@@ -333,7 +333,12 @@ class FlatBucket:
         if self.scalars:
             start = self.comm.shard_size * self.shard_numel
             tail = self.unsharded_write[start : start + len(self.scalars)]
-            tail.copy_(self.sharded_flat[self.shard_numel :])
+            if self.offload is not None:
+                self.offload.copy_in(tail, self.sharded_flat[self.shard_numel :])
+            else:
+                tail.copy_(self.sharded_flat[self.shard_numel :])
+        if self.offload is not None:
+            self.offload.wait_copied_in()
 
     def _copy_out(self, blocks: torch.Tensor) -> None:
         """Gathered blocks (``W x S``, rank-major) into the unsharded parameters: one

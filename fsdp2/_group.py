@@ -105,7 +105,8 @@ class ParamGroup:
         offload_policy: OffloadPolicy | None = None,
     ) -> None:
         compute_device = mesh_device(comm.mesh)
-        if HostOffload.for_policy(offload_policy, compute_device) is not None:
+        offloads = HostOffload.for_policy(offload_policy, compute_device) is not None
+        if offloads:
             check_offloadable(params)
         self.params = params
         for p in params:
@@ -123,7 +124,7 @@ class ParamGroup:
         for (dtype, _, _), idx in by_dtype.items():
             compute = mp_policy.param_dtype if (mp_policy.param_dtype and dtype.is_floating_point) else dtype
             reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and dtype.is_floating_point) else compute
-            offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its copies
+            offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its own copies
             bucket = FlatBucket(
                 [params[i] for i in idx], [originals[i] for i in idx], comm, device, compute, reduce, offload
             )

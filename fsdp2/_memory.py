@@ -22,9 +22,12 @@ models and optimizers seen so far (``note_module``, ``note_optimizer``):
   saved for backward, mostly);
 * other: the rest (temporaries of backward, the batch, buffers, RNG state).
 
-So the split is exact, it is taken whenever the live bytes rise 0.2% above the last
-split's (a new split costs a walk over the models' tensors); the peak bytes themselves
-are exact.
+The peak bytes are exact; the split is taken whenever the live bytes rise 0.2% above
+the last split's (a split walks the models' tensors), so it describes a moment within
+0.2% of the peak and may sum to slightly less than it. Storages resized without an op
+other than fsdp2's gathered buffers (an all-gather extension's outputs) keep the size
+they had when last seen, and frees on another thread (gloo's, in a ``--measure`` run on
+3+ ranks) are counted without a lock.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class MemoryTracker(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self.now = 0
         self.peak = 0
+        self.ops = 0  # ops seen
         self.peak_split: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_at = ("", "")  # (phase, module) at the peak
         self.peak_device: dict[str, int] = {}  # the CUDA caching allocator's view at the peak
@@ -81,6 +85,7 @@ class MemoryTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ counting
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.ops += 1
         phase = None
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

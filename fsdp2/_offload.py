@@ -5,7 +5,8 @@ state made from them) lives on the host; the all-gather's input, the unsharded
 parameters and the reduce run on the compute device. Per step, per bucket:
 
 * unshard: the shards are copied host -> device (``to_compute``), then cast to the
-  compute dtype there and gathered;
+  compute dtype there and gathered; when the gather finishes the CPU waits for that copy
+  (``wait_copied_in``), so nothing can write the host shards while it still reads them;
 * reduce: this rank's reduced row is cast to the parameters' dtype and divided on the
   device, then copied device -> host (``to_host``); with pinned memory the copies are
   asynchronous,
@@ -33,6 +34,7 @@ class HostOffload:
         self.host = torch.device("cpu") if host is None else host
         self.pin_memory = pin_memory
         self._copied: Any = None  # an event after the last device -> host copy (pinned)
+        self._read: Any = None  # an event after the last host -> device copy (pinned)
 
     @classmethod
     def for_policy(cls, policy: Any, device: torch.device) -> HostOffload | None:
@@ -52,9 +54,30 @@ class HostOffload:
 
     def to_compute(self, shard: torch.Tensor) -> torch.Tensor:
         """The shards on the compute device (host -> device; async from pinned memory:
-        the stream orders the gather after it)."""
+        the stream orders the gather after it; ``wait_copied_in`` before the host
+        shards may change)."""
         with torch.profiler.record_function("fsdp2::offload_h2d"):
-            return shard.to(self.compute, non_blocking=self.pin_memory, copy=True)
+            out = shard.to(self.compute, non_blocking=self.pin_memory, copy=True)
+        self._mark_read()
+        return out
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (on the device) from host ``src``, as ``to_compute``."""
+        dst.copy_(src, non_blocking=self.pin_memory)
+        self._mark_read()
+
+    def _mark_read(self) -> None:
+        if self.pin_memory and self.compute.type != "cpu":
+            self._read = torch.Event(device=self.compute)
+            self._read.record()
+
+    def wait_copied_in(self) -> None:
+        """Block the CPU until the host -> device copies issued so far landed: after
+        this the host shards may change (an optimizer step, a load, user code) without
+        racing a copy still reading them. Called when the gather finishes."""
+        read, self._read = self._read, None
+        if read is not None:
+            read.synchronize()
 
     def to_host(self, result: torch.Tensor) -> torch.Tensor:
         """A host copy of ``result`` (device -> host; async into pinned memory: see

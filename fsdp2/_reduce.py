@@ -201,7 +201,9 @@ class BucketReduce:
             return False
         sharded = [(p, g) for p, g in taken if not p.is_replicated]
         dtype = self.bucket.reduce_dtype
-        if any(g.dtype != dtype or p is not q for (p, g), q in zip(sharded, layout.params)):
+        if len(sharded) != len(layout.params) or any(
+            g.dtype != dtype or not g.is_contiguous() or p is not q for (p, g), q in zip(sharded, layout.params)
+        ):
             return False
         self._advance(ReduceState.ACCUMULATING, ReduceState.IDLE)
         buf = self.input2d()

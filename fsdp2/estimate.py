@@ -31,9 +31,11 @@ import json
 import os
 import resource
 import runpy
+import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +46,14 @@ from ._memory import CATEGORIES, MemoryTracker
 
 class _Done(BaseException):
     """The requested steps ran (a BaseException: scripts' ``except Exception`` let it by)."""
+
+
+class _ScriptExit(BaseException):
+    """The script called ``os._exit`` (which would end this process before the report)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 class Session:
@@ -58,6 +68,7 @@ class Session:
         self._in_optimizer = 0
         self._first_optimizer: Any = None
         self.done_steps = 0
+        self._ops_at_end = 0  # the tracker's op count when the last step ended
         self.per_step: list[dict[str, Any]] = []
         self._start = time.perf_counter()
 
@@ -110,7 +121,8 @@ class Session:
         self.tracker.note_optimizer(optimizer)
         if self._first_optimizer is None:
             self._first_optimizer = optimizer
-        if optimizer is self._first_optimizer and not self._in_optimizer:
+        if optimizer is self._first_optimizer:
+            self._in_optimizer = 0  # a step that raised (and was caught) ran no post-hook
             self._end_step()
         self._in_optimizer += 1
 
@@ -120,6 +132,7 @@ class Session:
     def _end_step(self) -> None:
         """The previous training step is complete: note its peak, start the next."""
         t = self.tracker
+        self._ops_at_end = t.ops
         self.per_step.append({"step": self.done_steps + 1, "peak": t.peak, "split": dict(t.peak_split),
                               "phase": t.peak_at[0], "module": t.peak_at[1], "device": dict(t.peak_device)})
         self.done_steps += 1
@@ -153,20 +166,30 @@ class Session:
             return out
 
         fsdp2.fully_shard = fully_shard  # type: ignore[assignment]
-        argv = sys.argv
+        argv, path, exit_ = sys.argv, list(sys.path), os._exit
         sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as ``python script.py`` does
+
+        def script_exit(code: int) -> None:
+            raise _ScriptExit(code)
+
+        os._exit = script_exit  # type: ignore[assignment]
         try:
-            with self.tracker:
-                runpy.run_path(script, run_name="__main__")
-            if not self.per_step:  # no optimizer: the whole script is one step
-                try:
-                    self._end_step()
-                except _Done:
-                    pass
+            try:
+                with self.tracker:
+                    runpy.run_path(script, run_name="__main__")
+            except SystemExit as e:
+                if e.code not in (0, None):
+                    raise
+            except _ScriptExit as e:
+                if e.code != 0:
+                    raise SystemExit(e.code) from None
+            if self.tracker.ops > self._ops_at_end:  # the script ended mid-step: that step too
+                self._end_step()
         except _Done:
             pass
         finally:
-            sys.argv = argv
+            sys.argv, sys.path, os._exit = argv, path, exit_  # type: ignore[assignment]
             fsdp2.fully_shard = shard  # type: ignore[assignment]
             for h in handles:
                 h.remove()
@@ -176,12 +199,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def fake_distributed(rank: int, world: int, local_world: int) -> None:
-    """The torchrun environment of ``rank``, and ``init_process_group`` starting the fake
-    process group whatever backend or store the script asks for."""
+def fake_distributed(rank: int, world: int, local_world: int) -> Callable[[], None]:
+    """The torchrun environment of ``rank`` (no GPU: the run is on this CPU), and
+    ``init_process_group`` starting the fake process group whatever backend or store the
+    script asks for. Returns what undoes all that."""
+    from torch.distributed.pipelining import PipelineStage
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    saved_env = dict(os.environ)
+    saved = (dist.init_process_group, PipelineStage._warmup_backward_result)
     os.environ.update({
+        "CUDA_VISIBLE_DEVICES": "",
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % local_world),
         "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(rank // local_world),
         "MASTER_ADDR": "localhost", "MASTER_PORT": "29500",
@@ -196,6 +224,16 @@ def fake_distributed(rank: int, world: int, local_world: int) -> None:
 
     dist.init_process_group = distributed_c10d.init_process_group = init_process_group  # type: ignore[assignment]
     _static_pipeline_stages()
+
+    def undo() -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        dist.init_process_group = distributed_c10d.init_process_group = saved[0]  # type: ignore[assignment]
+        PipelineStage._warmup_backward_result = saved[1]  # type: ignore[method-assign]
+
+    return undo
 
 
 def _static_pipeline_stages() -> None:
@@ -223,17 +261,20 @@ def estimate(script: str, args: list[str], world: int, rank: int, local_world: i
     """Run ``script`` as ``rank`` of ``world`` and return the report (see ``main``)."""
     if not 0 <= rank < world:
         raise ValueError(f"fsdp2.estimate: --rank must be in [0, {world}), got {rank}")
-    fake_distributed(rank, world, local_world)
+    if steps < 1:
+        raise ValueError(f"fsdp2.estimate: --steps must be at least 1, got {steps}")
+    undo = fake_distributed(rank, world, local_world)
     session = Session(steps, progress)
     session._note(f"running {script} as rank {rank} of {world} on the fake process group")
     error = None
     try:
         session.run(script, args)
     except SystemExit as e:
-        if e.code not in (0, None):
-            error = f"the script exited with {e.code}"
+        error = f"the script exited with {e.code}"
     except Exception as e:  # noqa: BLE001 (reported, with why it may not run here)
         error = f"{type(e).__name__}: {e}"
+    finally:
+        undo()
     if error is not None and not session.per_step:
         raise RuntimeError(
             f"fsdp2.estimate: {script} stopped before completing a training step ({error}). Under the "
@@ -268,7 +309,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def _compare(ns: argparse.Namespace, script: str, args: list[str]) -> int:
-    variants = [("(as given)", [])] + [(v, v.split()) for v in ns.compare]
+    variants = [("(as given)", [])] + [(v, shlex.split(v)) for v in ns.compare]
     reports = []
     for label, extra in variants:
         cmd = [sys.executable, "-m", "fsdp2.estimate", "--nproc-per-node", str(ns.nproc_per_node),
@@ -341,6 +382,8 @@ def parse_command(argv: list[str]) -> tuple[argparse.Namespace, str, list[str]]:
     head = [f"--compare={head[i + 1]}" if a == "--compare" and i + 1 < len(head) else a
             for i, a in enumerate(head) if i == 0 or head[i - 1] != "--compare"]
     ns = p.parse_args(head)
+    if ns.steps < 1:
+        p.error(f"--steps must be at least 1, got {ns.steps}")
     rest = argv[split + 1 :]
     if not rest:
         p.error("name the script after --: python -m fsdp2.estimate [options] -- script.py [script args]")

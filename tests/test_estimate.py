@@ -103,3 +103,23 @@ def test_compare_prints_each_variant() -> None:
     assert list(out) == ["(as given)", "--ac full"], list(out)
     act = {k: v["peak"]["split"]["activations"] for k, v in out.items()}
     assert act["--ac full"] < act["(as given)"], act
+
+
+def test_a_short_script_that_exits_hard_is_still_reported(tmp_path: Any) -> None:
+    """A script with fewer steps than ``--steps`` that imports a module beside it and
+    ends with ``os._exit(0)`` (as the example does): each step it ran is reported, the
+    last one (after its final optimizer step) too."""
+    (tmp_path / "helper.py").write_text("import torch\n\ndef model():\n    return torch.nn.Linear(8, 8)\n")
+    (tmp_path / "short.py").write_text(
+        "import os\nimport torch\nimport torch.distributed as dist\nimport fsdp2\nfrom helper import model\n"
+        "dist.init_process_group('gloo')\nm = fsdp2.fully_shard(model())\n"
+        "opt = torch.optim.AdamW(m.parameters())\n"
+        "m(torch.randn(4, 8)).sum().backward()\nopt.step()\nos._exit(0)\n"
+    )
+    cmd = [sys.executable, "-m", "fsdp2.estimate", "--nproc-per-node", "2", "--steps", "3", "--json", "--",
+           str(tmp_path / "short.py")]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [s["step"] for s in report["steps"]] == [1, 2], report["steps"]
+    assert report["steps"][1]["split"]["optimizer state"] > 0, report["steps"][1]

@@ -153,7 +153,9 @@ class MatrixOwners:
     first two dims are the matrix), ``locals_[i]`` a tensor laid out like
     ``params[i].to_local()`` (its gradient, a momentum, an update); ``fn(matrix, i)``
     gets the whole ``i``-th matrix (assembled from ``locals_[i]`` of every rank holding a
-    piece) on its owner rank only, and returns a tensor of the same shape. Returns this
+    piece) on its owner rank only, on the mesh's device (with ``CPUOffloadPolicy`` the
+    pieces live on the host, the matrix on the accelerator), and returns a tensor of the
+    same shape. Returns this
     rank's piece of each result, laid out like ``locals_[i]``, in ``out_dtype`` (default:
     the inputs' dtype). Every rank holding pieces of these parameters must call it with
     them in the same order (it communicates). For example, a Shampoo-like update::

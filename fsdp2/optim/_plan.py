@@ -66,7 +66,7 @@ def _snapshot(state: dict, f: _FlatSwapped) -> tuple[list, list]:
     vals = list(itertools.chain.from_iterable(st.values() for st in present))
     objects = [f.bucket.sharded_flat, *[p._local_tensor for p in f.params], *sts, *vals]
     values = list(itertools.chain.from_iterable(present))
-    values += [v._version for v in vals if type(v) is torch.Tensor]
+    values += [v._version for v in vals if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)]
     return objects, values
 
 
