@@ -14,8 +14,9 @@ Layouts (``W`` shard ranks, ``S`` = sum of the padded shard sizes):
   (``ShardLayout.copy_blocks_out``). Its storage is resized to 0 on reshard and back on
   unshard, so tensors autograd saved in forward see the re-gathered values in backward.
 
-Gradients go through ``BucketReduce`` (``_reduce.py``) and into ``.grad`` through
-``GradCommit`` (``_commit.py``). Large buckets on gloo gather and reduce in place
+The all-gather is ``BucketGather`` (``_gather.py``); gradients go through
+``BucketReduce`` (``_reduce.py``) and into ``.grad`` through ``GradCommit``
+(``_commit.py``). Large buckets on gloo gather and reduce in place
 (``InPlace``, ``_in_place.py``), a strategy chosen once per bucket; elsewhere it is None.
 With ``CPUOffloadPolicy`` on an accelerator the sharded flat lives on the host and the
 rest on the device (``HostOffload``, ``_offload.py``); elsewhere ``offload`` is None.
@@ -23,16 +24,15 @@ rest on the device (``HostOffload``, ``_offload.py``); elsewhere ``offload`` is 
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._collectives import Pending, all_gather_flat, debug_enabled, traced, wait_future, wait_pending
 from ._commit import GradCommit
 from ._extension import ExtensionGather
+from ._gather import BucketGather
 from ._in_place import InPlace
 from ._mesh import MeshInfo
 from ._offload import HostOffload
@@ -78,12 +78,7 @@ class FlatBucket:
         # Subclasses with an all-gather extension (in buckets of their own): their gather.
         self.extension = any(p.extension for p in params)
         self.mp_policy: Any = None  # the group's, passed to ``fsdp_pre_all_gather``
-        self._pending_gather: Pending | None = None
-        self._gather_buf: torch.Tensor | None = None  # owned until copied out
-        self._gather_pooled = True  # ``_gather_buf`` came from the pool (else a custom collective)
-        self._gather_input: torch.Tensor | None = None  # kept alive until the gather is waited
-        self._gather_issue: torch.futures.Future | None = None  # a deferred in-place gather
-        self._partial: torch.Tensor | None = None  # post-forward partial reshard (int)
+        self.gather = BucketGather(self)
         self._flat_alias: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kept = KeptCopy(self)
         self.custom_all_gather: Any = None  # ``set_custom_all_gather``'s collective, if any
@@ -263,116 +258,18 @@ class FlatBucket:
     def start_all_gather(
         self, partial_group: dist.ProcessGroup | None, after: torch.futures.Future | None = None
     ) -> None:
-        """Phase 1 of unshard: issue the all-gather (from the partial shard if kept). In
-        place, with ``after`` (a reduce in storage still in flight), it is issued only once
-        that reduce completed and freed its storage, so the two never hold memory at once."""
-        if self.shard_numel == 0 or self.gather_is_identity:
-            return
-        comm = self.comm
-        if self.extension_gather is not None:
-            self.extension_gather.start(comm.shard_group, self.mp_policy, self.custom_all_gather)
-            return
-        if partial_group is not None and self._partial is not None:
-            source, group = self._partial, partial_group
-        else:
-            source, group = self.sharded_flat[: self.shard_numel], comm.shard_group
-            if self.in_place is not None and self.in_place.gathers and self.custom_all_gather is None:
-                if after is not None and not after.done() and not debug_enabled():
-                    issue = functools.partial(self._start_gather_in_place, source)
-                    self._gather_issue = comm.local.gather_queue.issue_after(after, issue)
-                else:
-                    self._start_gather_in_place(source)
-                return
-            if self.offload is not None:
-                source = self.offload.to_compute(source)
-            if self.compute_dtype != self.dtype:
-                with traced("fsdp2::cast_for_all_gather"):
-                    source = source.to(self.compute_dtype)
-        self._gather_input = source
-        label = f"all-gather of {self.name}"
-        custom = self.custom_all_gather
-        if custom is not None:
-            numel = group.size() * source.numel()
-            output = self._gather_buf = custom.allocate((numel,), dtype=self.compute_dtype, device=source.device)
-            self._gather_pooled = False
-            self._pending_gather = Pending(custom(output, source, group, async_op=True), output, label)
-            return
-        self._gather_buf = comm.pool.acquire(self.comm_numel(), self.compute_dtype, source.device)
-        self._gather_pooled = True
-        output = self._gather_buf[: comm.shard_size * self.shard_numel]
-        self._pending_gather = all_gather_flat(source, output, group, label=label)
-
-    def _start_gather_in_place(self, shard: torch.Tensor) -> None:
-        assert self.in_place is not None
-        self._pending_gather = self.in_place.start_gather(shard)
+        """Phase 1 of unshard (``BucketGather.start``)."""
+        self.gather.start(partial_group, after)
 
     def finish_all_gather(self) -> None:
-        """Phase 2 of unshard: wait, then copy the gathered shards out parameter-major
-        (unless they were gathered in place)."""
-        if self.gather_is_identity:
-            return
-        if self._gather_issue is not None:
-            wait_future(self._gather_issue, f"all-gather of {self.name}")
-            self._gather_issue = None
-        if self.extension_gather is not None:
-            self.extension_gather.finish(self.compute_dtype)
-            return
-        self.alloc_unsharded()
-        if self.shard_numel > 0:
-            assert self._pending_gather is not None, "fsdp2 internal error: no all-gather issued"
-            output = wait_pending(self._pending_gather)
-            self._pending_gather = None
-            self._gather_input = None
-            if self._gather_buf is not None:
-                with traced("fsdp2::copy_out"):
-                    self._copy_out(output.view(self.comm.shard_size, self.shard_numel))
-                if self._gather_pooled:
-                    self.comm.pool.release(self._gather_buf)
-                self._gather_buf = None
-        self._partial = None
-        if self.scalars:
-            start = self.comm.shard_size * self.shard_numel
-            tail = self.unsharded_write[start : start + len(self.scalars)]
-            if self.offload is not None:
-                self.offload.copy_in(tail, self.sharded_flat[self.shard_numel :])
-            else:
-                tail.copy_(self.sharded_flat[self.shard_numel :])
-        if self.offload is not None:
-            self.offload.wait_copied_in()
-
-    def _copy_out(self, blocks: torch.Tensor) -> None:
-        """Gathered blocks (``W x S``, rank-major) into the unsharded parameters: one
-        ``split_with_sizes_copy`` when they all shard on dim 0, otherwise the dim-0 ones
-        by region and the others by their layout."""
-        sizes = [p.shard_numel for p in self.sharded_params]
-        if self.blocks_are_the_values:
-            torch.split_with_sizes_copy(blocks, sizes, dim=1, out=self.regions)
-            return
-        for p, src, region in zip(self.sharded_params, blocks.split(sizes, dim=1), self.regions):
-            if p.layout.blocks_are_the_value:
-                region.copy_(src)
-            else:
-                p.layout.copy_blocks_out(src, self.write_views[p.bucket_index])
-
-    def _gathered_blocks(self) -> list[torch.Tensor]:
-        """The gathered parameters as ``W x shard_numel`` blocks, one per sharded parameter
-        (views where they shard on dim 0, copies otherwise)."""
-        blocks = []
-        for p, region in zip(self.sharded_params, self.regions):
-            if p.layout.blocks_are_the_value:
-                blocks.append(region)
-            else:
-                cut = torch.empty_like(region)
-                p.layout.write_blocks(cut, self.write_views[p.bucket_index], accumulate=False)
-                blocks.append(cut)
-        return blocks
+        """Phase 2 of unshard (``BucketGather.finish``)."""
+        self.gather.finish()
 
     def reshard(self) -> None:
         # Never free memory a collective still writes (or a deferred one will).
-        ext = self.extension_gather
-        if self._pending_gather is not None or self._gather_issue is not None or (ext is not None and ext.in_flight):
-            self.finish_all_gather()
-        self._partial = None
+        if self.gather.in_flight():
+            self.gather.finish()
+        self.gather.partial = None
         self.kept.clear()
         self.free_unsharded()
 
@@ -383,17 +280,9 @@ class FlatBucket:
         if self.extension:
             self.reshard()
             return
-        world = self.comm.shard_size
-        rows = world // factor
-        keep = torch.empty(rows * self.shard_numel, dtype=self.compute_dtype, device=self.device)
-        if self.shard_numel:
-            torch.cat(
-                [v[index * rows : (index + 1) * rows] for v in self._gathered_blocks()],
-                dim=1,
-                out=keep.view(rows, self.shard_numel),
-            )
+        keep = self.gather.kept_rows(factor, index)
         self.free_unsharded()
-        self._partial = keep
+        self.gather.partial = keep
 
     def comm_numel(self) -> int:
         """One size for this bucket's all-gather output and reduce input: the pool serves
@@ -405,25 +294,7 @@ class FlatBucket:
         try:
             self.reduce.drop()
         finally:
-            self._drop_gather()
-
-    def _drop_gather(self) -> None:
-        if self.extension_gather is not None:
-            self.extension_gather.drop()
-        if self._gather_issue is not None:
-            try:
-                wait_future(self._gather_issue, f"all-gather of {self.name}")
-            finally:
-                self._gather_issue = None
-        if self._pending_gather is not None:
-            try:
-                wait_pending(self._pending_gather)
-            finally:
-                if self._gather_buf is not None and self._gather_pooled:
-                    self.comm.pool.release(self._gather_buf)
-                self._gather_buf = None
-                self._pending_gather = None
-                self._gather_input = None
+            self.gather.drop()
 
 
 class KeptCopy:

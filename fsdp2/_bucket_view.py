@@ -1,8 +1,9 @@
 """What a bucket's helpers read of it.
 
-``_bucket.FlatBucket`` owns its reduce (``_reduce.BucketReduce``), its commit
-(``_commit.GradCommit``), its gloo in-place strategy (``_in_place.InPlace``) and its
-subclass gather (``_extension.ExtensionGather``), and hands itself to each. They read it
+``_bucket.FlatBucket`` owns its all-gather (``_gather.BucketGather``), its reduce
+(``_reduce.BucketReduce``), its commit (``_commit.GradCommit``), its gloo in-place
+strategy (``_in_place.InPlace``) and its subclass gather (``_extension.ExtensionGather``),
+and hands itself to each. They read it
 through this protocol, one layer down, rather than importing the bucket: the storage
 layer then reads bottom-up (see CONTRIBUTING.md).
 """
@@ -39,6 +40,10 @@ class BucketView(Protocol):
     write_views: list[torch.Tensor]
     reduce: Any  # its ``BucketReduce``
     in_place: Any  # its ``InPlace`` strategy, or None
+    gather_is_identity: bool  # one rank, one dtype: the shards are the unsharded values
+    extension_gather: Any  # its ``ExtensionGather``, or None
+    custom_all_gather: Any  # ``set_custom_all_gather``'s collective, or None
+    mp_policy: Any  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
 
     def comm_numel(self) -> int: ...
     def alloc_unsharded(self) -> None: ...

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import operator
 import weakref
-from enum import Enum, auto
 from typing import Any, Protocol
 
 import torch
@@ -43,8 +42,15 @@ import torch.nn as nn
 
 from ._bucket import FlatBucket
 from ._calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
-from ._mesh import MeshInfo, mesh_device
-from ._offload import HostOffload
+from ._group_setup import (
+    ShardState,
+    TrainingState,
+    adoptable_replacements,
+    build_buckets,
+    check_materialized,
+    check_not_reassigned,
+)
+from ._mesh import MeshInfo
 from ._param import FSDPParam
 from ._shared import SharedParam
 from ._tree import cast_floating
@@ -77,19 +83,6 @@ class StepContext(Protocol):
 PREFETCH_BEHIND_REDUCE = True
 
 
-class TrainingState(Enum):
-    IDLE = auto()  # outside forward and backward
-    FORWARD = auto()  # between pre_forward and post_forward of one of its modules
-    PRE_BACKWARD = auto()  # gathered for backward; gradients not all computed yet
-
-
-class ShardState(Enum):
-    SHARDED = auto()  # only the sharded flat buffers hold data; modules show the DTensors
-    GATHERING = auto()  # all-gather issued, not waited for yet; modules show the DTensors
-    UNSHARDED = auto()  # unsharded flat buffers hold the full parameters; modules show the leaves
-    PARTIAL = auto()  # after forward with an int reshard: W/N of the rows kept; the DTensors
-
-
 class ParamGroup:
     """The parameters of one ``fully_shard`` call, bucketed by dtype."""
 
@@ -104,40 +97,13 @@ class ParamGroup:
         reshard_after_forward: bool | int | None,
         offload_policy: OffloadPolicy | None = None,
     ) -> None:
-        compute_device = mesh_device(comm.mesh)
-        offloads = HostOffload.for_policy(offload_policy, compute_device) is not None
-        if offloads:
-            check_offloadable(params)
         self.params = params
         for p in params:
             p.group = weakref.ref(self)
         self.modules = modules
         self.comm = comm
         self.mp_policy = mp_policy
-        self.buckets: list[FlatBucket] = []
-        self._bucket_of: dict[int, FlatBucket] = {}
-        # Plain parameters, subclasses over the flat buffer and subclasses with shards of
-        # their own (``FSDPParam.dispatched``) go to buckets of their own per dtype.
-        by_dtype: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
-        for i, p in enumerate(params):
-            by_dtype.setdefault((p.dtype, p.extension, p.dispatched), []).append(i)
-        for (dtype, _, _), idx in by_dtype.items():
-            compute = mp_policy.param_dtype if (mp_policy.param_dtype and dtype.is_floating_point) else dtype
-            reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and dtype.is_floating_point) else compute
-            offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its own copies
-            bucket = FlatBucket(
-                [params[i] for i in idx], [originals[i] for i in idx], comm, device, compute, reduce, offload
-            )
-            bucket.mp_policy = mp_policy
-            # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
-            floating = dtype.is_floating_point
-            bucket.follows_dtype = (
-                not (mp_policy.param_dtype and floating),
-                not ((mp_policy.reduce_dtype or mp_policy.param_dtype) and floating),
-            )
-            self.buckets.append(bucket)
-            for i in idx:
-                self._bucket_of[id(params[i])] = bucket
+        self.buckets = build_buckets(params, originals, comm, device, mp_policy, offload_policy)
         self.set_name(type(modules[0]).__name__)
         self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
         self.reshard_after_forward: bool | int = True if reshard_after_forward is None else reshard_after_forward
@@ -278,18 +244,13 @@ class ParamGroup:
         """At lazy init: parameters reassigned since ``fully_shard`` (``module.weight =
         nn.Parameter(dtensor)``, e.g. by a custom initializer) become the sharded
         parameters, their values copied into the group's storage."""
-        new = [(fp, t) for fp in self.params if (t := fp.reassigned()) is not None]
-        for fp, t in new:
-            _check_replacement(fp, t)
-        if new:
+        if adoptable_replacements(self.params):
             self.rebind()
 
     def _check_not_reassigned(self) -> None:
-        for fp in self.params:
-            module, name = fp.owners[0]  # ``fp.reassigned()``, inlined: every param, every unshard
-            current = module._parameters.get(name)
-            if current is not None and current is not fp.sharded and current is not fp.unsharded:
-                _raise_reassigned(self, fp)
+        # The group's name prefixes the parameters' once lazy init named it after its module.
+        prefix = self.name if self.ctx is not None and self.name != "<root>" and "," not in self.name else ""
+        check_not_reassigned(self.params, prefix)
 
     # -------------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -445,67 +406,3 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
 
 
-def check_offloadable(params: list[FSDPParam]) -> None:
-    """``CPUOffloadPolicy`` on an accelerator: tensor subclasses that gather through their
-    own hooks are not offloaded yet (raised before anything changed)."""
-    custom = [p.fqn for p in params if p.extension]
-    if custom:
-        raise NotImplementedError(
-            f"fsdp2: CPUOffloadPolicy on an accelerator mesh does not support parameters whose class "
-            f"defines fsdp_pre_all_gather yet ({', '.join(custom[:3])}); shard them in a fully_shard "
-            "call of their own without offload_policy"
-        )
-
-
-def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> None:
-    """The sharded parameters are real tensors on the mesh's device type (the host's when
-    offloaded)."""
-    for b in buckets:
-        device = b.sharded_flat.device
-        if device.type not in ("meta", mesh_type) and (b.offload is None or device != b.offload.host):
-            raise RuntimeError(
-                f"fsdp2: parameters of group '{name}' are on {device} but its mesh is on "
-                f"{mesh_type}; move the model with model.to({mesh_type!r}) or build the mesh "
-                f"for {device.type}"
-            )
-        if device.type == "meta":
-            fqns = ", ".join(p.fqn for p in b.params[:3])
-            raise RuntimeError(
-                f"fsdp2: parameters ({fqns}, ...) are still on the meta device at forward; "
-                "materialize them first with model.to_empty(device=...) and initialize them "
-                "(e.g. reset_parameters() or load_state_dict)"
-            )
-
-
-def _raise_reassigned(group: ParamGroup, fp: FSDPParam) -> None:
-    prefix = group.name if group.ctx is not None and group.name != "<root>" and "," not in group.name else ""
-    raise RuntimeError(
-        f"fsdp2: parameter {prefix + '.' if prefix else ''}{fp.fqn} was reassigned after the model's first "
-        "forward; fsdp2 adopts reassigned parameters only before it. Copy the new values into the "
-        "parameter instead: with torch.no_grad(): param.copy_(distribute_tensor(value, "
-        "param.device_mesh, param.placements))"
-    )
-
-
-def _check_replacement(fp: FSDPParam, t: torch.Tensor) -> None:
-    """A reassigned parameter can replace ``fp``'s sharded one: same kind of DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    same = (
-        isinstance(t, DTensor)
-        and t.shape == fp.shape
-        and tuple(t.placements) == tuple(fp.placements)
-        and t.device_mesh == fp.mesh
-    )
-    if not same:
-        what = (
-            f"a DTensor of shape {tuple(t.shape)} with placements {tuple(t.placements)}"
-            if isinstance(t, DTensor)
-            else f"a {type(t).__name__} of shape {tuple(t.shape)}"
-        )
-        raise ValueError(
-            f"fsdp2: parameter {fp.fqn} was reassigned after fully_shard with {what}; it must be a "
-            f"DTensor like the sharded one it replaces (shape {tuple(fp.shape)}, placements "
-            f"{tuple(fp.placements)}): nn.Parameter(distribute_tensor(value, param.device_mesh, "
-            "param.placements))"
-        )

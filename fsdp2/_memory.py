@@ -202,9 +202,9 @@ def _claim_group(group: Any, claim: Callable[[Any, str], None]) -> None:
             if p.unsharded is not None:
                 claim(p.unsharded.grad, "gradients")
         claim(b.unsharded_flat, "unsharded parameters")
-        claim(b._partial, "unsharded parameters")
-        claim(b._gather_input, "communication buffers")
-        claim(b._gather_buf, "communication buffers")
+        claim(b.gather.partial, "unsharded parameters")
+        claim(b.gather.input, "communication buffers")
+        claim(b.gather.buf, "communication buffers")
         claim(b.reduce._unreplicated, "gradients")
         for staged in b.reduce.ready:
             claim(staged[1], "gradients")

@@ -70,6 +70,7 @@ def force_offload() -> Recorder:
 
 def _install() -> None:
     import fsdp2._bucket as bucket_module
+    import fsdp2._gather as gather_module
     import fsdp2._offload as offload_module
     import fsdp2._reduce as reduce_module
 
@@ -101,7 +102,7 @@ def _install() -> None:
 
     cls.for_policy = staticmethod(for_policy)  # type: ignore[method-assign,assignment]
     cls.zeros, cls.to_compute, cls.to_host = recorded_zeros, counted_to_compute, recorded_to_host  # type: ignore[method-assign]
-    gather, stage = bucket_module.all_gather_flat, reduce_module.BucketReduce._stage_from_pool
+    gather, stage = gather_module.all_gather_flat, reduce_module.BucketReduce._stage_from_pool
 
     def counted_gather(*args: Any, **kwargs: Any) -> Any:
         _CURRENT[0].gathers += 1
@@ -115,11 +116,11 @@ def _install() -> None:
     start = bucket_module.FlatBucket.start_all_gather
 
     def noted_start(self: Any, partial_group: Any, after: Any = None) -> None:
-        if partial_group is not None and self._partial is not None:
+        if partial_group is not None and self.gather.partial is not None:
             _CURRENT[0].from_partial += 1
         start(self, partial_group, after)
 
-    bucket_module.all_gather_flat = counted_gather
+    gather_module.all_gather_flat = counted_gather
     bucket_module.FlatBucket.start_all_gather = noted_start  # type: ignore[method-assign]
     reduce_module.BucketReduce._stage_from_pool = counted_stage  # type: ignore[method-assign]
 

@@ -1,0 +1,146 @@
+"""What a ``ParamGroup`` is built from and checked against: its buckets (one per dtype
+and kind of parameter), its lifecycle states, and the checks on its parameters that
+need no group (offload support, materialization, reassignment)."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+
+from ._bucket import FlatBucket
+from ._mesh import MeshInfo, mesh_device
+from ._offload import HostOffload
+from ._param import FSDPParam
+from .api import MixedPrecisionPolicy, OffloadPolicy
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # outside forward and backward
+    FORWARD = auto()  # between pre_forward and post_forward of one of its modules
+    PRE_BACKWARD = auto()  # gathered for backward; gradients not all computed yet
+
+
+class ShardState(Enum):
+    SHARDED = auto()  # only the sharded flat buffers hold data; modules show the DTensors
+    GATHERING = auto()  # all-gather issued, not waited for yet; modules show the DTensors
+    UNSHARDED = auto()  # unsharded flat buffers hold the full parameters; modules show the leaves
+    PARTIAL = auto()  # after forward with an int reshard: W/N of the rows kept; the DTensors
+
+
+def build_buckets(
+    params: list[FSDPParam],
+    originals: list[torch.Tensor],
+    comm: MeshInfo,
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None,
+) -> list[FlatBucket]:
+    """One bucket per dtype; plain parameters, subclasses over the flat buffer and
+    subclasses with shards of their own (``FSDPParam.dispatched``) in buckets of their
+    own. Raises before any storage is made if the offload cannot serve them."""
+    compute_device = mesh_device(comm.mesh)
+    if HostOffload.for_policy(offload_policy, compute_device) is not None:
+        check_offloadable(params)
+    by_dtype: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
+    for i, p in enumerate(params):
+        by_dtype.setdefault((p.dtype, p.extension, p.dispatched), []).append(i)
+    buckets = []
+    for (dtype, _, _), idx in by_dtype.items():
+        floating = dtype.is_floating_point
+        compute = mp_policy.param_dtype if (mp_policy.param_dtype and floating) else dtype
+        reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and floating) else compute
+        offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its own copies
+        bucket = FlatBucket([params[i] for i in idx], [originals[i] for i in idx], comm, device, compute, reduce, offload)
+        bucket.mp_policy = mp_policy
+        # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
+        bucket.follows_dtype = (
+            not (mp_policy.param_dtype and floating),
+            not ((mp_policy.reduce_dtype or mp_policy.param_dtype) and floating),
+        )
+        buckets.append(bucket)
+    return buckets
+
+
+def check_offloadable(params: list[FSDPParam]) -> None:
+    """``CPUOffloadPolicy`` on an accelerator: tensor subclasses that gather through their
+    own hooks are not offloaded yet (raised before anything changed)."""
+    custom = [p.fqn for p in params if p.extension]
+    if custom:
+        raise NotImplementedError(
+            f"fsdp2: CPUOffloadPolicy on an accelerator mesh does not support parameters whose class "
+            f"defines fsdp_pre_all_gather yet ({', '.join(custom[:3])}); shard them in a fully_shard "
+            "call of their own without offload_policy"
+        )
+
+
+def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> None:
+    """The sharded parameters are real tensors on the mesh's device type (the host's when
+    offloaded)."""
+    for b in buckets:
+        device = b.sharded_flat.device
+        if device.type not in ("meta", mesh_type) and (b.offload is None or device != b.offload.host):
+            raise RuntimeError(
+                f"fsdp2: parameters of group '{name}' are on {device} but its mesh is on "
+                f"{mesh_type}; move the model with model.to({mesh_type!r}) or build the mesh "
+                f"for {device.type}"
+            )
+        if device.type == "meta":
+            fqns = ", ".join(p.fqn for p in b.params[:3])
+            raise RuntimeError(
+                f"fsdp2: parameters ({fqns}, ...) are still on the meta device at forward; "
+                "materialize them first with model.to_empty(device=...) and initialize them "
+                "(e.g. reset_parameters() or load_state_dict)"
+            )
+
+
+def check_not_reassigned(params: list[FSDPParam], prefix: str) -> None:
+    """Every owner module still registers the parameter's sharded or unsharded tensor
+    (checked at every unshard: kept to a tight loop)."""
+    for fp in params:
+        module, name = fp.owners[0]  # ``fp.reassigned()``, inlined
+        current = module._parameters.get(name)
+        if current is not None and current is not fp.sharded and current is not fp.unsharded:
+            _raise_reassigned(prefix, fp)
+
+
+def adoptable_replacements(params: list[FSDPParam]) -> bool:
+    """Whether some parameter was reassigned since ``fully_shard``; each replacement is
+    checked to be a DTensor like the one it replaces."""
+    new = [(fp, t) for fp in params if (t := fp.reassigned()) is not None]
+    for fp, t in new:
+        _check_replacement(fp, t)
+    return bool(new)
+
+
+def _raise_reassigned(prefix: str, fp: FSDPParam) -> None:
+    raise RuntimeError(
+        f"fsdp2: parameter {prefix + '.' if prefix else ''}{fp.fqn} was reassigned after the model's first "
+        "forward; fsdp2 adopts reassigned parameters only before it. Copy the new values into the "
+        "parameter instead: with torch.no_grad(): param.copy_(distribute_tensor(value, "
+        "param.device_mesh, param.placements))"
+    )
+
+
+def _check_replacement(fp: FSDPParam, t: torch.Tensor) -> None:
+    """A reassigned parameter can replace ``fp``'s sharded one: same kind of DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    same = (
+        isinstance(t, DTensor)
+        and t.shape == fp.shape
+        and tuple(t.placements) == tuple(fp.placements)
+        and t.device_mesh == fp.mesh
+    )
+    if not same:
+        what = (
+            f"a DTensor of shape {tuple(t.shape)} with placements {tuple(t.placements)}"
+            if isinstance(t, DTensor)
+            else f"a {type(t).__name__} of shape {tuple(t.shape)}"
+        )
+        raise ValueError(
+            f"fsdp2: parameter {fp.fqn} was reassigned after fully_shard with {what}; it must be a "
+            f"DTensor like the sharded one it replaces (shape {tuple(fp.shape)}, placements "
+            f"{tuple(fp.placements)}): nn.Parameter(distribute_tensor(value, param.device_mesh, "
+            "param.placements))"
+        )
