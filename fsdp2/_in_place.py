@@ -24,7 +24,6 @@ The GPU path never builds one of these.
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,11 +44,11 @@ if TYPE_CHECKING:
 
 # Buckets of at least this many bytes, on at least this many ranks, gather and reduce
 # in place on gloo; smaller ones are latency-bound and 2 ranks run faster pooled
-# (gloo's all-gather is quicker there). Read when a bucket is built; the environment
-# variables are for tuning and tests. ``GATHER_IN_PLACE`` False keeps the pooled
-# all-gather with the in-place reduce (tests).
-IN_PLACE_MIN_BYTES = int(os.environ.get("FSDP2_IN_PLACE_MIN_BYTES", str(1 << 20)))
-IN_PLACE_MIN_WORLD = int(os.environ.get("FSDP2_IN_PLACE_MIN_WORLD", "3"))
+# (gloo's all-gather is quicker there: tools/bench_collectives.py). Read when a bucket is
+# built (tests lower them: ``tests/_models.force_in_place``). ``GATHER_IN_PLACE`` False
+# keeps the pooled all-gather with the in-place reduce (tests).
+IN_PLACE_MIN_BYTES = 1 << 20
+IN_PLACE_MIN_WORLD = 3
 GATHER_IN_PLACE = True
 
 

@@ -62,8 +62,11 @@ def impl(name: str) -> Any:
     return importlib.import_module("fsdp2" if name == "fsdp2" else "torch.distributed.fsdp")
 
 
-# For spawned ranks (``monkeypatch.setenv``): every bucket gathers and reduces in place.
-IN_PLACE_ENV = {"FSDP2_IN_PLACE_MIN_BYTES": "0", "FSDP2_IN_PLACE_MIN_WORLD": "2"}
+def in_place_worker(fn: Any, rank: int, world: int, *args: Any) -> Any:
+    """``fn(rank, world, *args)`` in a rank where every bucket gathers and reduces in
+    place: ``run_ranks(functools.partial(in_place_worker, fn), world, ...)``."""
+    force_in_place()
+    return fn(rank, world, *args)
 
 
 def force_in_place(gather: bool = True) -> None:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
+from _dist import cached_outcome, run_ranks, run_scenarios
+from _models import ToyModel, batch, full_params, in_place_worker, loss_fn
 
 import fsdp2
-from _dist import cached_outcome, run_ranks, run_scenarios
-from _models import IN_PLACE_ENV, ToyModel, batch, full_params, loss_fn
 from fsdp2._group import ShardState, TrainingState
 
 
@@ -293,11 +294,10 @@ def _last_backward_worker(rank: int, world: int) -> float:
 
 
 @pytest.mark.parametrize("world,in_place", [(1, False), (2, False), (2, True)])
-def test_is_last_backward_false_over_micro_batches(world: int, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if in_place:  # reduces in flight hold the parameters' storage: the next forward waits
-        for key, value in IN_PLACE_ENV.items():
-            monkeypatch.setenv(key, value)
-    assert max(run_ranks(_last_backward_worker, world)) < 1e-12
+def test_is_last_backward_false_over_micro_batches(world: int, in_place: bool) -> None:
+    # In place, reduces in flight hold the parameters' storage: the next forward waits.
+    worker = functools.partial(in_place_worker, _last_backward_worker) if in_place else _last_backward_worker
+    assert max(run_ranks(worker, world)) < 1e-12
 
 
 def _one_rank_worker(rank: int, world: int, param_dtype: torch.dtype | None) -> dict:
@@ -343,7 +343,6 @@ def _reinit_worker(rank: int, world: int, port: int) -> list:
     import os
 
     import torch.distributed as dist
-
     from _models import force_in_place
 
     force_in_place()  # in-place buckets: fsdp2 makes a gloo group for their gathers

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
-
-import fsdp2
 from _comm import CommCounter
 from _dist import cached_outcome, run_ranks, run_scenarios
-from _models import IN_PLACE_ENV, ToyModel, batch, loss_fn
+from _models import ToyModel, batch, in_place_worker, loss_fn
+
+import fsdp2
 
 
 def _shard(model: nn.Module) -> nn.Module:
@@ -79,11 +80,9 @@ def _retain_graph_worker(rank: int, world: int) -> bool:
 
 
 @pytest.mark.parametrize("in_place", [False, True])
-def test_retained_graph_keeps_reading_the_root_parameters(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if in_place:
-        for key, value in IN_PLACE_ENV.items():
-            monkeypatch.setenv(key, value)
-    assert all(run_ranks(_retain_graph_worker, 2))
+def test_retained_graph_keeps_reading_the_root_parameters(in_place: bool) -> None:
+    worker = functools.partial(in_place_worker, _retain_graph_worker) if in_place else _retain_graph_worker
+    assert all(run_ranks(worker, 2))
 
 
 class _DetachedScale(torch.autograd.Function):

@@ -5,15 +5,15 @@ local training, no parameter stays unsharded and no gradient is half-reduced."""
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
-import pytest
 import torch
 import torch.nn as nn
+from _dist import run_ranks
+from _models import in_place_worker
 
 import fsdp2
-from _dist import run_ranks
-from _models import IN_PLACE_ENV
 from fsdp2._group import ShardState, TrainingState
 
 
@@ -100,12 +100,10 @@ def test_recovery_after_exceptions() -> None:
                 assert all(out.values()), (where, explicit, out)
 
 
-def test_recovery_after_backward_failure_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recovery_after_backward_failure_in_place() -> None:
     """The last module's gradients are being summed in its parameters' storage when the
     middle one raises: the reduce is waited for and the storage freed."""
-    for key, value in IN_PLACE_ENV.items():
-        monkeypatch.setenv(key, value)
-    for out in run_ranks(_recovery_worker, 2, "backward", False):
+    for out in run_ranks(functools.partial(in_place_worker, _recovery_worker), 2, "backward", False):
         assert all(out.values()), out
 
 

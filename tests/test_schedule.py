@@ -3,14 +3,16 @@ prefetching really issues all-gathers ahead of the compute that needs them."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
-
-import fsdp2
 from _comm import CommCounter
 from _dist import cached_outcome, run_ranks, run_scenarios
-from _models import IN_PLACE_ENV, ToyModel, batch, loss_fn
+from _models import ToyModel, batch, in_place_worker, loss_fn
+
+import fsdp2
 from fsdp2._group import ShardState
 
 N_BLOCKS = 3
@@ -52,12 +54,11 @@ def _count_worker(rank: int, world: int, reshard: bool) -> dict:
 
 
 @pytest.mark.parametrize("in_place", [False, True])
-def test_one_all_gather_per_unshard_one_reduce_per_group(in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if in_place:  # gathers are all-reduces then; the counter still sees one all-gather each
-        for key, value in IN_PLACE_ENV.items():
-            monkeypatch.setenv(key, value)
+def test_one_all_gather_per_unshard_one_reduce_per_group(in_place: bool) -> None:
+    # In place, gathers are all-reduces; the counter still sees one all-gather each.
+    worker = functools.partial(in_place_worker, _count_worker) if in_place else _count_worker
     for reshard in (True, False):
-        for out in run_ranks(_count_worker, 2, reshard):
+        for out in run_ranks(worker, 2, reshard):
             assert out["in_place"] == [in_place] * len(out["in_place"]), out
             block_gather = sum(g for g, _ in out["sizes"][:N_BLOCKS])
             root_gather = out["sizes"][-1][0]

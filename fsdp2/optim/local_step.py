@@ -47,7 +47,8 @@ and a swap not yet undone is also noted on the model's groups it touched (so tha
 next forward, on the stepping thread, can undo it); nothing is process-wide but the two
 global step hooks (``install_hooks``).
 
-``FSDP2_LOCAL_OPTIMIZER_STEP=0`` in the environment turns the fast path off (debugging).
+``FSDP2_LOCAL_OPTIMIZER_STEP=0`` in the environment turns the fast path off (a debugging
+switch, read at each step: nothing is decided at import).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from torch.optim import optimizer as _optimizer
 from ._plan import _plan_group, _remember_plans, _reuse_plan
 from ._swap import _GroupSwap, _restore
 
-ENABLED = os.environ.get("FSDP2_LOCAL_OPTIMIZER_STEP", "1") != "0"
+ENABLED = True  # False: never step on local shards (tests)
 # Optimizers whose update of one element reads only that element's parameter, gradient
 # and state (plus per-parameter scalars such as the step count).
 ELEMENTWISE: frozenset[type] = frozenset(
@@ -236,6 +237,7 @@ def _groups(swaps: list[_GroupSwap]) -> list[Any]:
 def _eligible(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
     return (
         ENABLED
+        and os.environ.get("FSDP2_LOCAL_OPTIMIZER_STEP", "1") != "0"
         and type(optimizer) in ELEMENTWISE
         and len(args) <= 1
         and kwargs.get("closure") is None
