@@ -17,7 +17,8 @@ Layouts (``W`` shard ranks, ``S`` = sum of the padded shard sizes):
 The all-gather is ``BucketGather`` (``_gather.py``); gradients go through
 ``BucketReduce`` (``_reduce.py``) and into ``.grad`` through ``GradCommit``
 (``_commit.py``). Large buckets on gloo gather and reduce in place
-(``InPlace``, ``_in_place.py``), a strategy chosen once per bucket; elsewhere it is None.
+(``InPlace``, ``_in_place.py``): gloo's strategies are chosen once per bucket
+(``GlooStrategy``, ``_gloo.py``); elsewhere ``gloo`` and ``in_place`` are None.
 With ``CPUOffloadPolicy`` on an accelerator the sharded flat lives on the host and the
 rest on the device (``HostOffload``, ``_offload.py``); elsewhere ``offload`` is None.
 """
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from ._commit import GradCommit
 from ._extension import ExtensionGather
 from ._gather import BucketGather
+from ._gloo import GlooStrategy
 from ._in_place import InPlace
 from ._mesh import MeshInfo
 from ._offload import HostOffload
@@ -85,7 +87,8 @@ class FlatBucket:
         self.follows_dtype = (True, True)  # (compute, reduce) follow ``dtype`` on ``rebind``
         self.reduce = BucketReduce(self)
         self.commit = GradCommit(self)
-        self.in_place: InPlace | None = None
+        self.gloo: GlooStrategy | None = None  # gloo's own strategies (``_gloo.py``); None elsewhere
+        self.in_place: InPlace | None = None  # ``gloo.in_place``, where it applies
         self.offload = offload
         self.device = device  # where gathers and reduces run (the shards' too, without offload)
         self._allocate_sharded(originals, device)
@@ -129,7 +132,8 @@ class FlatBucket:
         self.extension_gather = ExtensionGather(self) if self.extension else None
         # On gloo, large buckets gather and reduce in place, in the unsharded storage:
         # no pooled buffer, no copy-out, no temporary inside gloo's all-gather.
-        self.in_place = InPlace(self) if InPlace.applies(self) else None
+        self.gloo = GlooStrategy.for_bucket(self)
+        self.in_place = self.gloo.in_place if self.gloo is not None else None
         # Room after the parameters for the reduce's "used" flags, one per parameter.
         extra = len(self.params) if self.in_place is not None else 0
         if self.gather_is_identity:

@@ -64,7 +64,6 @@ class InPlace:
             and world >= IN_PLACE_MIN_WORLD
             and bucket.sharded_flat.device.type == "cpu"  # the copy-out runs on gloo's thread
             and bucket.offload is None
-            and bucket.comm.on_gloo
             and bucket.compute_dtype.is_floating_point
             and bucket.blocks_are_the_values
             and world * bucket.shard_numel * bucket.compute_dtype.itemsize >= IN_PLACE_MIN_BYTES

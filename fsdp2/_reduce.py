@@ -264,7 +264,8 @@ class BucketReduce:
             work = self.custom(out, buf.reshape(-1), comm.shard_group, dist.ReduceOp.SUM, async_op=True)
             self._pending = Pending(work, out, label)
             return
-        if comm.on_gloo and comm.shard_size > 1:
+        gloo = self.bucket.gloo
+        if gloo is not None and gloo.reduce_by_all_to_all:
             method = "all_to_all"
             self._scratch = comm.pool.acquire(buf.numel(), buf.dtype, buf.device)
         else:
@@ -339,7 +340,8 @@ class BucketReduce:
     def _scalars_in_row_0(self) -> bool:
         """The reduce ran as an all-reduce over the whole input (see ``start``)."""
         comm = self.bucket.comm
-        return self.custom is None and not comm.on_gloo and comm.shard_size > 1
+        gloo = self.bucket.gloo
+        return self.custom is None and not (gloo is not None and gloo.reduce_by_all_to_all) and comm.shard_size > 1
 
     def release_buffers(self) -> None:
         """The reduce input and the all-to-all's receive buffer go back to the pool."""
