@@ -163,7 +163,7 @@ def _themes(rank: int, world: int, lib_name: str, path: str) -> dict[str, Any]:
     with offloaded(lib):
         for n in ("reshard_true", "reshard_int", "unused_params", "frozen", "grad_accum", "meta_init"):
             res = t._run_config(t.CONFIGS[n], lib, mine, rank, world)
-            out[n] = max(res["loss"], res["param"])
+            out[n] = worst([res["loss"], res["param"]])
         out["hsdp"] = nd._run(nd.CONFIGS["hsdp"], lib, rank, mine)["worst"]
         out["dp_tp"] = tp._run(tp.CONFIGS["dp_tp"], lib)["worst"]
         out["ac"] = ac._parity("wrapper", lib, rank, world)  # relative to its tolerance (<= 1)
