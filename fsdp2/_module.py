@@ -20,10 +20,14 @@ from ._validate import reshard_after_forward_value
 
 
 class FSDPModule(CommKnobs):
-    """Mixin of every module ``fully_shard`` was applied to."""
+    """Mixin of every module ``fully_shard`` was applied to. Its methods below are grouped
+    by what they tune (gathering, gradients, memory, state); the knobs of the collectives
+    themselves (custom collectives, hooks, accelerator streams) come from ``CommKnobs``
+    (``_knobs.py``)."""
 
     _fsdp2_state: FSDPState
 
+    # ------------------------------------------------ construction and copying
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Constructing a generated ``FSDP<Name>`` class (e.g. ``nn.Sequential``'s slicing,
         ``model[:2]``, builds ``type(self)(...)``) makes the original class: a new module
@@ -45,6 +49,7 @@ class FSDPModule(CommKnobs):
             "(e.g. with torch.distributed.checkpoint) instead"
         )
 
+    # ------------------------------------------ gathering: unshard, reshard, recovery
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters; with ``async_op`` return a handle to wait on.
 
@@ -87,6 +92,7 @@ class FSDPModule(CommKnobs):
         for g in groups_under(self):  # before the first forward: no root context yet
             g.reset()
 
+    # ------------------------------------- gradients: when and how they are reduced
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step. When ``False``,
         its reduce-scatters stay in flight and finish at the next last backward."""
@@ -115,6 +121,18 @@ class FSDPModule(CommKnobs):
         for g in self._target_groups(recurse):
             g.requires_all_reduce = requires_all_reduce
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the mesh size."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
+        for g in self._target_groups(True):
+            g.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    # ------------------------------- memory: when parameters are freed and gathered
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (see ``fully_shard``) for later forwards."""
         group = self._fsdp2_state.group
@@ -152,17 +170,7 @@ class FSDPModule(CommKnobs):
         """All-gather these modules' parameters right after this module's, in backward."""
         self._fsdp2_state.group.backward_prefetch = _prefetch_groups("set_modules_to_backward_prefetch", modules)
 
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the mesh size."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
-        for g in self._target_groups(True):
-            g.gradient_divide_factor = float(factor)
-
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Older name of ``set_gradient_divide_factor``."""
-        self.set_gradient_divide_factor(factor)
-
+    # ---------------------------------------------------- state: loading, _apply
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict`` that accepts sharded DTensors or full tensors, and
         checks the whole dict (keys, shapes, dtypes) before loading anything."""
@@ -176,9 +184,6 @@ class FSDPModule(CommKnobs):
                 g.rebind()
         return result
 
-    def _target_groups(self, recurse: bool) -> list[ParamGroup]:
-        return groups_under(self) if recurse else [self._fsdp2_state.group]
-
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``to_empty``/``to``/``double`` replace parameter data: re-point it at our storage.
         group = self._fsdp2_state.group
@@ -186,6 +191,9 @@ class FSDPModule(CommKnobs):
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
         group.rebind()
         return out
+
+    def _target_groups(self, recurse: bool) -> list[ParamGroup]:
+        return groups_under(self) if recurse else [self._fsdp2_state.group]
 
 
 class UnshardHandle:
