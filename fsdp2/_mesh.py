@@ -160,6 +160,13 @@ def shard_size(mesh: DeviceMesh, spmd: SpmdDims | None) -> int:
     return 1 if spmd is not None and spmd.replicate_only else mesh.size(mesh.ndim - 1)
 
 
+def collective_device(mesh: DeviceMesh, otherwise: torch.device) -> torch.device:
+    """Where ``mesh``'s collectives need their tensors: its accelerator, or ``otherwise``
+    (where the tensors already are) on a CPU or meta mesh. Offloaded tensors live on the
+    host while their mesh's collectives run on the accelerator."""
+    return otherwise if mesh.device_type in ("cpu", "meta") else mesh_device(mesh)
+
+
 def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type in ("cpu", "meta"):
         return torch.device(mesh.device_type)

@@ -141,6 +141,12 @@ class Session:
         if self.done_steps >= self.steps:
             raise _Done
 
+    def report(self, script: str, args: list[str], world: int, rank: int, note: str | None) -> dict[str, Any]:
+        """The run's report: every step's peak and split, and the worst step (``peak``)."""
+        worst = max(self.per_step, key=lambda s: s["peak"]) if self.per_step else None
+        return {"script": [script, *args], "world_size": world, "rank": rank, "steps": self.per_step,
+                "peak": worst, "note": note}
+
     def _note(self, text: str) -> None:
         if self.progress:
             print(f"[fsdp2.estimate {time.perf_counter() - self._start:6.1f}s] {text}", file=sys.stderr, flush=True)
@@ -282,10 +288,7 @@ def estimate(script: str, args: list[str], world: int, rank: int, local_world: i
             "scripts that need CUDA, object collectives (checkpoint save/load, all_gather_object) or data "
             "from other ranks cannot run this way: switch those parts off with the script's flags"
         )
-    steps_out = session.per_step
-    worst = max(steps_out, key=lambda s: s["peak"]) if steps_out else None
-    return {"script": [script, *args], "world_size": world, "rank": rank, "steps": steps_out,
-            "peak": worst, "note": error}
+    return session.report(script, args, world, rank, error)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -343,12 +346,9 @@ def _measure(ns: argparse.Namespace, script: str, args: list[str]) -> int:
     baseline = _rss()
     session.run(script, args)
     if rank == ns.rank:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        worst = max(session.per_step, key=lambda s: s["peak"]) if session.per_step else None
+        report = session.report(script, args, int(os.environ.get("WORLD_SIZE", "1")), rank, None)
         # The process's peak resident memory above what it held before the script (Linux).
-        rss = {"baseline": baseline, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        report = {"script": [script, *args], "world_size": world, "rank": rank, "steps": session.per_step,
-                  "peak": worst, "note": None, "rss": rss}
+        report["rss"] = {"baseline": baseline, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         print(json.dumps(report) if ns.json else format_report(report), flush=True)
     return 0
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._collectives import traced
-from .._mesh import mesh_device
+from .._mesh import collective_device
 from ._pieces import Piece, block_indices, members_in_group_order, sharded_dims
 
 
@@ -210,14 +210,8 @@ class MatrixOwners:
             pieces = exchange(
                 ex, matrices, owners, [locals_[i].contiguous() for i in idx],
                 lambda full, j, idx=idx: fn(full, idx[j]), out_dtype or dtype,
-                _exchange_device(params[idx[0]], home),
+                collective_device(params[idx[0]].device_mesh, home),
             )
             for i, piece in zip(idx, pieces):
                 out[i] = piece
         return out
-
-
-def _exchange_device(p: DTensor, home: torch.device) -> torch.device:
-    """The mesh's device (where its collectives run), else where the pieces are."""
-    kind = p.device_mesh.device_type
-    return home if kind in ("cpu", "meta") else mesh_device(p.device_mesh)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
 from .._collectives import traced
-from .._mesh import mesh_device
+from .._mesh import collective_device
 from ._pieces import sharded_group
 
 
@@ -101,10 +101,11 @@ def clip_grad_norm_(
 def _comm_device(grads: list[torch.Tensor], locals_: list[torch.Tensor]) -> torch.device:
     """Where the norms are summed: the meshes' device (offloaded gradients live on the
     host, but their collectives run on the accelerator), else the gradients'."""
+    here = locals_[0].device if locals_ else torch.device("cpu")
     for g in grads:
         if isinstance(g, DTensor) and g.device_mesh.device_type not in ("cpu", "meta"):
-            return mesh_device(g.device_mesh)
-    return locals_[0].device if locals_ else torch.device("cpu")
+            return collective_device(g.device_mesh, here)
+    return here
 
 
 def _group_of(spec: Any, seen: dict[Any, tuple[dist.ProcessGroup | None, tuple[int, ...]]]) -> tuple:
