@@ -176,6 +176,14 @@ _ALL_TO_ALL = c10d.AllToAllOptions()
 _ALL_TO_ALL.asyncOp = True
 _REDUCE_SCATTER = c10d.ReduceScatterOptions()
 _REDUCE_SCATTER.asyncOp = True
+# The process group's flat collectives by their torch 2.13 names or, on earlier releases
+# (the GPU machines' torch 2.11), by their older ones, which take the same arguments.
+# Names, looked up on each call: what patches the class (a test's counter) is seen.
+_ALL_GATHER_SINGLE = "all_gather_single" if hasattr(dist.ProcessGroup, "all_gather_single") else "_allgather_base"
+_REDUCE_SCATTER_SINGLE = (
+    "reduce_scatter_single" if hasattr(dist.ProcessGroup, "reduce_scatter_single") else "_reduce_scatter_base"
+)
+_ALL_TO_ALL_SINGLE = "all_to_all_single" if hasattr(dist.ProcessGroup, "all_to_all_single") else "alltoall_base"
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -191,7 +199,7 @@ def all_gather_flat(shard: torch.Tensor, output: torch.Tensor, group: dist.Proce
             return Pending(None, output, label)
         if debug_enabled():
             check_same_collective(group, label, output.numel())
-        work = group.all_gather_single(_real(output), _real(shard), _ALL_GATHER)
+        work = getattr(group, _ALL_GATHER_SINGLE)(_real(output), _real(shard), _ALL_GATHER)
     return Pending(work, output, label)
 
 
@@ -250,13 +258,13 @@ def reduce_scatter_flat(
             check_same_collective(group, label, input2d.numel())
         if method == "all_to_all":
             assert scratch is not None, "fsdp2 internal error: all-to-all reduce without scratch"
-            work = group.all_to_all_single(_real(scratch), _real(input2d), [], [], _ALL_TO_ALL)
+            work = getattr(group, _ALL_TO_ALL_SINGLE)(_real(scratch), _real(input2d), [], [], _ALL_TO_ALL)
             return Pending(work, input2d[rank], label, rows=scratch)
         if method == "all_reduce":
             work = group.allreduce([_real(input2d)], _ALL_REDUCE)
             return Pending(work, input2d[rank], label)
         output = torch.empty(input2d.shape[1], dtype=input2d.dtype, device=input2d.device)
-        work = group.reduce_scatter_single(_real(output), _real(input2d.view(-1)), _REDUCE_SCATTER)
+        work = getattr(group, _REDUCE_SCATTER_SINGLE)(_real(output), _real(input2d.view(-1)), _REDUCE_SCATTER)
         return Pending(work, output, label)
 
 

@@ -156,10 +156,9 @@ class FSDPParam:
         return nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap a local shard of this parameter as a DTensor of the full shape."""
-        return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
-        )
+        """Wrap a local shard of this parameter as a DTensor of the full shape, where the
+        shard is (an offloaded one stays on the host)."""
+        return make_dtensor(local, spec_where_it_is(local, self.mesh, self.placements, self.shape, self.stride))
 
     def grad_dtensor(self, local: torch.Tensor) -> DTensor:
         """Like ``to_dtensor`` for a gradient, reusing the parameter's DTensor spec: this
@@ -286,6 +285,16 @@ class FSDPParam:
     @property
     def has_unsharded_grad(self) -> bool:
         return (self.unsharded is not None and self.unsharded.grad is not None) or self._tp_pending is not None
+
+
+def spec_where_it_is(
+    local: torch.Tensor, mesh: Any, placements: Any, shape: torch.Size, stride: tuple[int, ...]
+) -> Any:
+    """The DTensor spec of ``local`` as a shard of a ``shape`` tensor, for ``make_dtensor``.
+    Read off a meta stand-in: ``DTensor.from_local`` copies a tensor that is not on the
+    mesh's device type there (an offloaded host shard would land on the GPU)."""
+    stand_in = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device="meta")
+    return DTensor.from_local(stand_in, mesh, placements, run_check=False, shape=shape, stride=stride)._spec
 
 
 def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:

@@ -266,5 +266,8 @@ def default_mesh() -> DeviceMesh:
 
 
 def _accelerator_type() -> str:
+    """The accelerator the default mesh uses, if one is usable here (not only built in:
+    ``fsdp2.estimate`` hides CUDA from a script it runs on a GPU machine), else "cpu"."""
     acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return acc.type if acc is not None else "cpu"
+    module = getattr(torch, acc.type, None) if acc is not None else None
+    return acc.type if module is not None and module.is_available() else "cpu"

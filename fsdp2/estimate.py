@@ -213,7 +213,12 @@ def fake_distributed(rank: int, world: int, local_world: int) -> Callable[[], No
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     saved_env = dict(os.environ)
-    saved = (dist.init_process_group, PipelineStage._warmup_backward_result)
+    saved = (dist.init_process_group, getattr(PipelineStage, "_warmup_backward_result", None),
+             torch.cuda.is_available, torch.cuda.device_count)
+    # Hidden twice: the variable for what starts CUDA later, the functions for a process
+    # whose CUDA runtime already counted its devices (it reads the variable only once).
+    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
+    torch.cuda.device_count = lambda: 0  # type: ignore[assignment]
     os.environ.update({
         "CUDA_VISIBLE_DEVICES": "",
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % local_world),
@@ -237,7 +242,9 @@ def fake_distributed(rank: int, world: int, local_world: int) -> Callable[[], No
         os.environ.clear()
         os.environ.update(saved_env)
         dist.init_process_group = distributed_c10d.init_process_group = saved[0]  # type: ignore[assignment]
-        PipelineStage._warmup_backward_result = saved[1]  # type: ignore[method-assign]
+        torch.cuda.is_available, torch.cuda.device_count = saved[2], saved[3]  # type: ignore[assignment]
+        if saved[1] is not None:
+            PipelineStage._warmup_backward_result = saved[1]  # type: ignore[method-assign]
 
     return undo
 
@@ -246,8 +253,12 @@ def _static_pipeline_stages() -> None:
     """Pipeline stages agree on their shapes by a vote and, unless every stage was given
     them (``input_args``/``output_args``), by exchanging them as objects, which the fake
     process group cannot deliver. Here each stage takes its own vote as the result (a
-    script gives its stages alike) and one without shapes stops with the reason."""
+    script gives its stages alike) and one without shapes stops with the reason. (Torch
+    before 2.13 has no such vote: nothing to replace.)"""
     from torch.distributed.pipelining import PipelineStage
+
+    if not hasattr(PipelineStage, "_warmup_backward_result"):
+        return
     from torch.distributed.pipelining._utils import InferenceMode
 
     def vote(self: Any, received_result: Any = None) -> torch.Tensor:

@@ -35,3 +35,32 @@ def _reduce_worker(rank: int, world: int) -> dict:
 def test_all_to_all_reduce_sums_in_rank_order_and_agrees_across_ranks() -> None:
     for out in run_ranks(_reduce_worker, 3):
         assert out == {"exact": True, "same_tails": True}, out
+
+
+def _older_names_worker(rank: int, world: int) -> dict:
+    """Torch before 2.13 names the flat collectives ``_allgather_base``,
+    ``_reduce_scatter_base`` and ``alltoall_base``; fsdp2 calls those there."""
+    import fsdp2._collectives as c
+
+    c._ALL_GATHER_SINGLE, c._REDUCE_SCATTER_SINGLE, c._ALL_TO_ALL_SINGLE = (
+        "_allgather_base", "_reduce_scatter_base", "alltoall_base"
+    )
+    shard = torch.arange(4.0) + 10 * rank
+    out = torch.empty(4 * world)
+    gathered = wait_pending(c.all_gather_flat(shard, out, dist.group.WORLD, "test")).clone()
+    want_gathered = torch.cat([torch.arange(4.0) + 10 * r for r in range(world)])
+    x = _inputs(rank, world)
+    want = sum(_inputs(r, world)[rank] for r in range(world))
+    reduced = {
+        method: wait_pending(
+            reduce_scatter_flat(x.clone(), dist.group.WORLD, rank, method, torch.empty_like(x), label="test")
+        ).clone()
+        for method in ("all_to_all", "reduce_scatter")
+    }
+    return {"gathered": torch.equal(gathered, want_gathered),
+            **{m: torch.allclose(r, want, rtol=1e-6, atol=0) for m, r in reduced.items()}}
+
+
+def test_older_torch_collective_names() -> None:
+    for out in run_ranks(_older_names_worker, 3):
+        assert out == {"gathered": True, "all_to_all": True, "reduce_scatter": True}, out

@@ -279,3 +279,39 @@ def _world_one(rank: int, world: int) -> dict[str, Any]:
 def test_offload_at_world_size_one_copies_instead_of_aliasing() -> None:
     out = run_ranks(_world_one, 1)[0]
     assert out["worst"] <= 1e-10 and out["to_host"] > 0, out
+
+
+_HOST_SHARD_ON_GPU_MESH = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from fsdp2._param import make_dtensor, spec_where_it_is
+from fsdp2.optim._swap import _like_param
+
+mesh = DeviceMesh("cuda", torch.arange(4), _init_backend=False)  # no CUDA needed to describe it
+flat = torch.arange(30.0)
+local = flat[6:12].view(2, 3)  # a host shard inside a flat buffer
+param = make_dtensor(local, spec_where_it_is(local, mesh, (Shard(0),), torch.Size((8, 3)), (3, 1)))
+state = _like_param(torch.zeros(2, 3, dtype=torch.float64), param)  # another dtype: a spec of its own
+for t, src in ((param, local), (state, None)):
+    assert t.device.type == "cpu" and t.device_mesh.device_type == "cuda" and t.shape == (8, 3), t
+    assert src is None or t.to_local().data_ptr() == src.data_ptr()
+print("ok")
+"""
+
+
+def test_host_shards_stay_on_the_host_of_an_accelerator_mesh() -> None:
+    """On a GPU the offloaded shards must stay host tensors inside the host flat buffer:
+    ``DTensor.from_local`` would copy them to the mesh's device (the GPU check found
+    that: ``.grad`` on the host could not be assigned to a parameter that had moved).
+    The CPU-as-both-sides runs above cannot see it; a CUDA-typed mesh on the fake
+    process group describes one without a GPU."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", _HOST_SHARD_ON_GPU_MESH], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-3000:]

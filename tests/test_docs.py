@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from typing import Any
 from unittest import mock
 
@@ -96,6 +97,18 @@ def check(cmd: str) -> str:
         done = subprocess.run([sys.executable, *words[1:]], check=False, capture_output=True, text=True, cwd=ROOT,
                               env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
+        return "ran"
+    if words[:2] == ["python", "tools/bench_deposit.py"]:  # a small instance of it
+        done = subprocess.run([sys.executable, *words[1:], "--dim", "64", "--device", "cpu"], check=False,
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert done.returncode == 0 and "WRONG" not in done.stdout, done.stdout + done.stderr
+        return "ran"
+    if words[:2] == ["bash", "tools/gpu_session.sh"]:  # no step chosen: its header runs
+        with tempfile.TemporaryDirectory() as out:
+            done = subprocess.run(["bash", "tools/gpu_session.sh", out], check=False, capture_output=True, text=True,
+                                  cwd=ROOT, env=dict(os.environ, ONLY="none", PYTHON=sys.executable,
+                                                     CUDA_VISIBLE_DEVICES=""), timeout=120)
+        assert done.returncode == 0 and "torch" in done.stdout, done.stdout + done.stderr
         return "ran"
     raise AssertionError(f"a documented command no test checks: {cmd!r} (add it to tests/test_docs.py)")
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._param import make_dtensor
+from .._param import make_dtensor, spec_where_it_is
 
 
 class _Swapped:
@@ -149,8 +149,6 @@ def _like_param(local: torch.Tensor, p: DTensor) -> DTensor:
     ``p``'s spec when the dtypes agree."""
     spec = p._spec
     if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
-        spec = DTensor.from_local(
-            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        )._spec
+        spec = spec_where_it_is(local, p.device_mesh, p.placements, p.shape, p.stride())
     return make_dtensor(local, spec)
 
