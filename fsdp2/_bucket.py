@@ -194,11 +194,21 @@ class FlatBucket:
             return self.sharded_flat[p.offset].view(())
         return self.sharded_flat[p.offset : p.offset + p.layout.local_numel].view(p.local_shape)
 
+    @property
+    def storage_lent(self) -> bool:
+        """The unsharded storage holds gradients being reduced in place (gloo)."""
+        return self.in_place is not None and self.in_place.lent
+
+    def lend_storage(self) -> None:
+        """Nothing reads the gathered parameters any more: gloo's in-place strategy may
+        sum the gradients in their storage. A no-op elsewhere or with a user's reduce."""
+        if self.in_place is not None and self.reduce.is_plain:
+            self.in_place.lend(self.reduce)
+
     def free_unsharded(self) -> None:
         if self.extension_gather is not None:
             self.extension_gather.free()
-        lent = self.in_place is not None and self.in_place.lent
-        if not self.gather_is_identity and not lent:
+        if not self.gather_is_identity and not self.storage_lent:
             self.unsharded_flat.untyped_storage().resize_(0)
 
     def alloc_unsharded(self) -> None:

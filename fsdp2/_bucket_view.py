@@ -40,6 +40,7 @@ class BucketView(Protocol):
     write_views: list[torch.Tensor]
     reduce: Any  # its ``BucketReduce``
     in_place: Any  # its ``InPlace`` strategy, or None
+    storage_lent: bool  # ``in_place`` holds the unsharded storage for a reduce
     gloo: Any  # its ``GlooStrategy``, or None off gloo
     gather_is_identity: bool  # one rank, one dtype: the shards are the unsharded values
     extension_gather: Any  # its ``ExtensionGather``, or None

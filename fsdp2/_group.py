@@ -32,7 +32,6 @@ gradients into ``.grad``.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import Any, Protocol
 
@@ -42,14 +41,7 @@ import torch.nn as nn
 
 from ._bucket import FlatBucket
 from ._calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
-from ._group_setup import (
-    ShardState,
-    TrainingState,
-    adoptable_replacements,
-    build_buckets,
-    check_materialized,
-    check_not_reassigned,
-)
+from ._group_setup import ShardState, TrainingState, UnshardChecks, adoptable_replacements, build_buckets
 from ._mesh import MeshInfo
 from ._param import FSDPParam
 from ._shared import SharedParam
@@ -128,7 +120,7 @@ class ParamGroup:
         self.order_index = -1  # position in the root's recorded forward order
         self.ctx: StepContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
-        self._checked_flats: list[torch.Tensor] = []  # sharded flats found materialized
+        self.checks = UnshardChecks()
         # Weak refs to optimizers whose fast-path step over this group is not undone yet
         # (it raised): the root's next forward undoes it (``optim.local_step``).
         self.unfinished_steps: list[weakref.ref] = []
@@ -147,9 +139,10 @@ class ParamGroup:
         start only once ``after`` (a reduce in storage) completed."""
         if self.shard_state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return
-        self._check_materialized()
-        self._check_not_reassigned()
-        if self.ctx is not None and any(b.in_place is not None and b.in_place.lent for b in self.buckets):
+        # The group's name prefixes the parameters' once lazy init named it after its module.
+        prefix = self.name if self.ctx is not None and self.name != "<root>" and "," not in self.name else ""
+        self.checks.run(self.buckets, self.params, self.comm.mesh.device_type, self.name, prefix)
+        if self.ctx is not None and any(b.storage_lent for b in self.buckets):
             self.ctx.finish_reduces_of(self)  # its storage still holds the gradients
         partial = self.partial_group if self.shard_state is ShardState.PARTIAL else None
         for b in self.buckets:
@@ -223,17 +216,11 @@ class ParamGroup:
         ``FlatBucket.direct``), with no autograd node or copy of ours in backward."""
         return all(b.direct for b in self.buckets)
 
-    def _check_materialized(self) -> None:
-        flats = [b.sharded_flat for b in self.buckets]
-        if len(flats) != len(self._checked_flats) or not all(map(operator.is_, flats, self._checked_flats)):
-            check_materialized(self.buckets, self.comm.mesh.device_type, self.name)
-            self._checked_flats = flats
-
     def rebind(self) -> None:
         """After ``module._apply``: adopt the new parameter data, once every module of the
         group has been converted (``to_empty`` reaches the modules of a list one by one)."""
         self.reshard()
-        self._checked_flats = []
+        self.checks.forget()
         current = [[p.owners[0][0]._parameters[p.owners[0][1]] for p in b.params] for b in self.buckets]
         if len({t.device for ts in current for t in ts}) > 1 or any(len({t.dtype for t in ts}) > 1 for ts in current):
             return  # another module's _apply will finish the conversion
@@ -246,11 +233,6 @@ class ParamGroup:
         parameters, their values copied into the group's storage."""
         if adoptable_replacements(self.params):
             self.rebind()
-
-    def _check_not_reassigned(self) -> None:
-        # The group's name prefixes the parameters' once lazy init named it after its module.
-        prefix = self.name if self.ctx is not None and self.name != "<root>" and "," not in self.name else ""
-        check_not_reassigned(self.params, prefix)
 
     # -------------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -361,10 +343,8 @@ class ParamGroup:
         sync = self.requires_gradient_sync and not self.direct
         if self.reshard_after_backward:
             if sync:
-                # Nothing reads the parameters now: sum the gradients in their place.
                 for b in self.buckets:
-                    if b.in_place is not None and b.reduce.is_plain:
-                        b.in_place.lend(b.reduce)
+                    b.lend_storage()
             self.reshard()
         self.training_state = TrainingState.IDLE
         buckets = [b for b in self.buckets if sync or b.reduce_dtype != b.compute_dtype]
@@ -378,10 +358,10 @@ class ParamGroup:
             return
         for b in buckets:
             if b.reduce.has_reduced_params():
-                if self.reshard_after_backward and b.in_place is not None and b.reduce.is_plain:
+                if self.reshard_after_backward:
                     # Every rank decides alike here, whatever gradients it deposited
                     # (which ones a rank computed can depend on its data).
-                    b.in_place.lend(b.reduce)
+                    b.lend_storage()
                 b.reduce.start(self.divide_factor(), self.requires_all_reduce)
                 self.ctx.add_pending_reduce(self, b)
 

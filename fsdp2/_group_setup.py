@@ -4,6 +4,7 @@ need no group (offload support, materialization, reassignment)."""
 
 from __future__ import annotations
 
+import operator
 from enum import Enum, auto
 
 import torch
@@ -92,6 +93,25 @@ def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> 
                 "materialize them first with model.to_empty(device=...) and initialize them "
                 "(e.g. reset_parameters() or load_state_dict)"
             )
+
+
+class UnshardChecks:
+    """What every unshard checks first, cheaply: the sharded storage is materialized
+    (checked again only once a flat buffer changed, or after ``forget``) and no owner
+    module had a parameter reassigned."""
+
+    def __init__(self) -> None:
+        self._materialized: list[torch.Tensor] = []  # the sharded flats found materialized
+
+    def run(self, buckets: list[FlatBucket], params: list[FSDPParam], mesh_type: str, name: str, prefix: str) -> None:
+        flats = [b.sharded_flat for b in buckets]
+        if len(flats) != len(self._materialized) or not all(map(operator.is_, flats, self._materialized)):
+            check_materialized(buckets, mesh_type, name)
+            self._materialized = flats
+        check_not_reassigned(params, prefix)
+
+    def forget(self) -> None:
+        self._materialized = []
 
 
 def check_not_reassigned(params: list[FSDPParam], prefix: str) -> None:

@@ -42,6 +42,27 @@ class ReduceLayout(NamedTuple):
     # ``torch._chunk_cat`` lays all their gradients out (``_deposit_all_at_once``).
     dim0: bool
 
+    @classmethod
+    def of(cls, params: list[FSDPParam], reduced: tuple[bool, ...]) -> ReduceLayout:
+        """The layout of the ``reduced`` ones of ``params``; numbers them (``rs_index``:
+        their column block and "used" flag; -1 for the others)."""
+        sharded = [p for p, rg in zip(params, reduced) if rg and not p.is_replicated]
+        scalars = [p for p, rg in zip(params, reduced) if rg and p.is_replicated]
+        offsets, col = [], 0
+        for p in sharded:
+            offsets.append(col)
+            col += p.shard_numel
+        for p in params:
+            p.rs_index = -1
+        for i, p in enumerate(sharded + scalars):
+            p.rs_index = i
+        flags = len(sharded) + len(scalars)
+        padding = [
+            (off + p.layout.local_numel, off + p.shard_numel) for p, off in zip(sharded, offsets) if p.layout.padded
+        ]
+        dim0 = bool(sharded) and all(p.layout.blocks_are_the_value and p.layout.shape.numel() for p in sharded)
+        return cls(sharded, scalars, offsets, col, col + flags + len(scalars), padding, dim0)
+
     @property
     def scalar_base(self) -> int:
         """First column of the scalars' gradients (right after the sharded gradients)."""
@@ -123,25 +144,10 @@ class BucketReduce:
                 "requires_grad of a parameter changed while gradients were being accumulated "
                 "without synchronization; change requires_grad only between optimizer steps"
             )
-        sharded = [p for p, rg in zip(params, key) if rg and not p.is_replicated]
-        scalars = [p for p, rg in zip(params, key) if rg and p.is_replicated]
-        offsets, col = [], 0
-        for p in sharded:
-            offsets.append(col)
-            col += p.shard_numel
-        for p in params:
-            p.rs_index = -1
-        for i, p in enumerate(sharded + scalars):
-            p.rs_index = i
-        flags = len(sharded) + len(scalars)
-        padding = [
-            (off + p.layout.local_numel, off + p.shard_numel) for p, off in zip(sharded, offsets) if p.layout.padded
-        ]
-        dim0 = bool(sharded) and all(p.layout.blocks_are_the_value and p.layout.shape.numel() for p in sharded)
-        self._layout = ReduceLayout(sharded, scalars, offsets, col, col + flags + len(scalars), padding, dim0)
+        self._layout = layout = ReduceLayout.of(params, key)
         self._layout_key = key
-        self.deposited = [False] * flags
-        return self._layout
+        self.deposited = [False] * (len(layout.params) + len(layout.scalars))
+        return layout
 
     def has_reduced_params(self) -> bool:
         layout = self.layout()
@@ -191,12 +197,11 @@ class BucketReduce:
         rank-major: the reduce input's layout) instead of one deposit per parameter.
         False (nothing done) otherwise."""
         layout = self.layout()
-        in_place = self.bucket.in_place
         if (
             self.state is not ReduceState.IDLE
             or not layout.dim0
             or len(taken) != len(layout.params) + len(layout.scalars)
-            or (in_place is not None and in_place.lent)
+            or self.bucket.storage_lent
         ):
             return False
         sharded = [(p, g) for p, g in taken if not p.is_replicated]
@@ -224,9 +229,8 @@ class BucketReduce:
         self._advance(ReduceState.ACCUMULATING, ReduceState.IDLE, ReduceState.ACCUMULATING)
         first = not self.deposited[p.rs_index]
         self.deposited[p.rs_index] = True
-        in_place = self.bucket.in_place
-        if in_place is not None and in_place.lent:
-            in_place.deposit(p, grad, first)
+        if self.bucket.storage_lent:
+            self.bucket.in_place.deposit(p, grad, first)
             return
         buf = self.input2d()
         if p.is_replicated:
@@ -244,9 +248,8 @@ class BucketReduce:
         self._advance(ReduceState.IN_FLIGHT, ReduceState.IDLE, ReduceState.ACCUMULATING)
         self.divide_factor = divide_factor
         self._all_reduce = all_reduce
-        in_place = self.bucket.in_place
-        if in_place is not None and in_place.lent:
-            self._pending = in_place.start_reduce(self)
+        if self.bucket.storage_lent:
+            self._pending = self.bucket.in_place.start_reduce(self)
             return
         layout, buf, comm = self.layout(), self.input2d(), self.bucket.comm
         with traced("fsdp2::reduce_prepare"):
