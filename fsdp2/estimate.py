@@ -233,9 +233,6 @@ def fake_distributed(rank: int, world: int, local_world: int) -> Callable[[], No
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         original("fake", store=FakeStore(), rank=rank, world_size=world)
 
-    dist.init_process_group = distributed_c10d.init_process_group = init_process_group  # type: ignore[assignment]
-    _static_pipeline_stages()
-
     def undo() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -246,6 +243,12 @@ def fake_distributed(rank: int, world: int, local_world: int) -> Callable[[], No
         if saved[1] is not None:
             PipelineStage._warmup_backward_result = saved[1]  # type: ignore[method-assign]
 
+    dist.init_process_group = distributed_c10d.init_process_group = init_process_group  # type: ignore[assignment]
+    try:
+        _static_pipeline_stages()
+    except BaseException:
+        undo()
+        raise
     return undo
 
 
@@ -280,8 +283,8 @@ def estimate(script: str, args: list[str], world: int, rank: int, local_world: i
         raise ValueError(f"fsdp2.estimate: --rank must be in [0, {world}), got {rank}")
     if steps < 1:
         raise ValueError(f"fsdp2.estimate: --steps must be at least 1, got {steps}")
-    undo = fake_distributed(rank, world, local_world)
     session = Session(steps, progress)
+    undo = fake_distributed(rank, world, local_world)
     session._note(f"running {script} as rank {rank} of {world} on the fake process group")
     error = None
     try:

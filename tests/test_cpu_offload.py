@@ -287,7 +287,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
-from fsdp2._param import make_dtensor, spec_where_it_is
+from types import SimpleNamespace
+from fsdp2._param import FSDPParam, make_dtensor, spec_where_it_is
 from fsdp2.optim._swap import _like_param
 
 mesh = DeviceMesh("cuda", torch.arange(4), _init_backend=False)  # no CUDA needed to describe it
@@ -295,7 +296,11 @@ flat = torch.arange(30.0)
 local = flat[6:12].view(2, 3)  # a host shard inside a flat buffer
 param = make_dtensor(local, spec_where_it_is(local, mesh, (Shard(0),), torch.Size((8, 3)), (3, 1)))
 state = _like_param(torch.zeros(2, 3, dtype=torch.float64), param)  # another dtype: a spec of its own
-for t, src in ((param, local), (state, None)):
+# What fully_shard wraps each shard with (only the attributes it reads):
+fp = SimpleNamespace(mesh=mesh, placements=(Shard(0),), shape=torch.Size((8, 3)), stride=(3, 1))
+wrapped = FSDPParam.to_dtensor(fp, local)
+assert wrapped.storage_offset() == 0, wrapped.storage_offset()
+for t, src in ((param, local), (state, None), (wrapped, local)):
     assert t.device.type == "cpu" and t.device_mesh.device_type == "cuda" and t.shape == (8, 3), t
     assert src is None or t.to_local().data_ptr() == src.data_ptr()
 print("ok")

@@ -93,7 +93,7 @@ def check(cmd: str) -> str:
                 mock.patch.object(bench, "bench_host"), mock.patch.object(bench, "bench_estimate"):
             bench.main()
         return "parsed"
-    if words[:2] == ["python", "tools/gpu_check.py"] and "--cpu" not in words:
+    if words[:2] in (["python", "tools/gpu_check.py"], ["python", "tools/gpu_memory.py"]) and "--cpu" not in words:
         done = subprocess.run([sys.executable, *words[1:]], check=False, capture_output=True, text=True, cwd=ROOT,
                               env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -6,7 +6,7 @@ A Llama block's gradients (attention, MLP, two norms) cut into ``world`` rank-ma
 chunks, as fsdp2's reduce input lays them out: ``torch._chunk_cat`` into the input's
 gradient columns (what fsdp2 does; not dense when the input has columns after them:
 scalars and flags), ``torch._chunk_cat`` into a dense tensor of exactly those columns,
-and one copy per parameter. Prints the median time of each (CUDA events on a GPU).
+one copy per parameter (what fsdp2 did before) and a zero-padded copy per parameter. Prints the median time of each (CUDA events on a GPU).
 """
 
 from __future__ import annotations
@@ -58,7 +58,15 @@ def main() -> None:
     dense = torch.zeros(world, numel, device=device, dtype=dtype)
     offsets = [sum(widths[:i]) for i in range(len(widths))]
 
-    def per_param() -> None:
+    def per_param() -> None:  # fsdp2 before _chunk_cat (``ShardLayout.write_blocks``)
+        for g, off, width in zip(grads, offsets, widths):
+            flat, region = g.reshape(-1), buf[:, off : off + width]
+            full, rest = divmod(flat.numel(), width)
+            region[:full].copy_(flat[: full * width].view(full, width))
+            if rest:  # padding is left as it is (the reduce's result zeroes it)
+                region[full, :rest].copy_(flat[full * width :])
+
+    def padded_per_param() -> None:
         for g, off, width in zip(grads, offsets, widths):
             rows = -(-g.shape[0] // world)
             padded = g.new_zeros(rows * world, *g.shape[1:])
@@ -68,7 +76,8 @@ def main() -> None:
     ways = {
         "_chunk_cat into the input's columns (fsdp2)": lambda: torch._chunk_cat(grads, 0, world, out=buf[:, :numel]),
         "_chunk_cat into a dense tensor": lambda: torch._chunk_cat(grads, 0, world, out=dense),
-        "one copy per parameter": per_param,
+        "one copy per parameter (fsdp2 before)": per_param,
+        "per parameter: zero-pad, then copy": padded_per_param,
     }
     expected = torch._chunk_cat(grads, 0, world)
     moved = sum(g.numel() for g in grads) * grads[0].element_size()

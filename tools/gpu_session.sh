@@ -23,6 +23,7 @@ $py -c "import torch, fsdp2; print('torch', torch.__version__, 'cuda', torch.ver
          torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || exit 1
 step check 240 $py tools/gpu_check.py
 step gloo2 150 $py tools/gpu_check.py --gloo-world 2 --hang-seconds 60
+step memory 180 $py tools/gpu_memory.py
 step deposit 60 $py tools/bench_deposit.py --world 8 --dim 4096
 args="examples/train.py --steps 3 --dim 1024 --layers 8 --heads 8 --vocab 8192 --seq-len 512 --batch-size 4"
 step estimate 120 $py -m fsdp2.estimate --nproc-per-node 1 -- $args
