@@ -7,6 +7,7 @@ commands are parsed or run. A command of any other kind fails: check it here."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import pathlib
@@ -52,10 +53,42 @@ def _load(path: pathlib.Path, name: str) -> Any:
     return module
 
 
-def _check_train_args(args: list[str], world: int) -> None:
+def _check_train_args(args: list[str], world: int) -> argparse.Namespace:
     train = _load(ROOT / "examples" / "train.py", "docs_train")
     with mock.patch.object(sys, "argv", ["train.py", *args]), mock.patch.dict(os.environ, WORLD_SIZE=str(world)):
-        train.parse_args()
+        return train.parse_args()
+
+
+# Options that size a run or name its files: the rest (parallelism, checkpointing,
+# compile, precision, optimizer, ...) make the configuration a test has to have run.
+_SIZES = {"steps", "batch_size", "seq_len", "dim", "layers", "heads", "vocab", "lr", "seed", "microbatches",
+          "final_params", "save_every"}
+# Documented configurations tests/test_train_example.py does not run, and the test that
+# trains that composition instead (at float64 parity with one local model).
+COVERED_ELSEWHERE = {frozenset({("hsdp", 2)}): "tests/test_nd_meshes.py"}
+
+
+def _configuration(args: list[str], world: int) -> frozenset:
+    defaults = vars(_check_train_args([], 1))
+    given = vars(_check_train_args(args, world))
+    return frozenset((k, v if k != "ckpt_dir" else "set") for k, v in given.items()
+                     if k not in _SIZES and v != defaults[k])
+
+
+def _check_train_run(args: list[str], world: int, restarted: bool) -> None:
+    """A documented run of the example: its flags parse at its world size, and some test
+    runs its configuration (tests/test_train_example.py, or COVERED_ELSEWHERE)."""
+    import test_train_example
+
+    config = _configuration(args, world)
+    tested = {(_configuration(flags, 4), r) for flags, r in test_train_example.tested_flag_sets()}
+    if (config, restarted) in tested:
+        return
+    elsewhere = COVERED_ELSEWHERE.get(config)
+    assert elsewhere is not None and not restarted and (ROOT / elsewhere).exists(), (
+        f"the documented example run {args} (restarted: {restarted}) is a configuration no test runs: "
+        f"{sorted(config)}; document one of tests/test_train_example.py's or add it there"
+    )
 
 
 def _world(nproc: Any, nnodes: Any) -> int:
@@ -74,8 +107,9 @@ def check(cmd: str) -> str:
         if parsed.module and parsed.training_script == "fsdp2.estimate":
             return check(" ".join(["python", "-m", "fsdp2.estimate", *map(shlex.quote, parsed.training_script_args)]))
         assert parsed.training_script == "examples/train.py", cmd
-        _check_train_args(parsed.training_script_args, _world(parsed.nproc_per_node, parsed.nnodes))
-        return "parsed"
+        world = _world(parsed.nproc_per_node, parsed.nnodes)
+        _check_train_run(parsed.training_script_args, world, int(parsed.max_restarts) > 0)
+        return "run by a test"
     if words[:3] == ["python", "-m", "fsdp2.estimate"]:
         from fsdp2.estimate import parse_command
 
@@ -127,6 +161,8 @@ def test_pages_have_commands_and_a_wrong_flag_fails() -> None:
         check("torchrun --standalone --nproc-per-node 2 examples/train.py --no-such-flag")
     with pytest.raises(AssertionError, match="no test checks"):
         check("rm -rf build")
+    with pytest.raises(AssertionError, match="no test runs"):  # parses, but no test trains it
+        check("torchrun --standalone --nproc-per-node 2 examples/train.py --bf16 --ac full")
 
 
 def test_relative_links_resolve() -> None:

@@ -16,6 +16,33 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "16", "--batch-size", "2"]
 FLAG_RUN = ["--steps", "3", "--layers", "4"]  # the flag runs: 3 steps of 4 layers (pipeline stages of 2 blocks)
+# The flag runs of test_checkpointing_pipeline_compile_and_bf16_flags_train_like_the_plain_run:
+# name -> (ranks, flags).
+FLAG_RUNS: dict[str, tuple[int, list[str]]] = {
+    "ac full, meta-init": (2, ["--ac", "full", "--meta-init"]),
+    "ac selective": (2, ["--ac", "selective"]),
+    "pp 1F1B, ac selective": (4, ["--pp", "2", "--microbatches", "2", "--ac", "selective"]),
+    "pp ZBVZeroBubble, ac full, compile": (
+        4, ["--pp", "2", "--microbatches", "2", "--pp-schedule", "ZBVZeroBubble", "--ac", "full", "--compile"]
+    ),
+    # torchtitan's order: TP plan, checkpoint wrapper, per-block compile, fully_shard.
+    "compile, tp 2, ac full": (4, ["--compile", "--tp", "2", "--ac", "full"]),
+    "bf16": (2, ["--bf16"]),
+}
+TP_RUNS = {"tp 2, hsdp 1": ["--tp", "2"], "tp 2, hsdp 2": ["--tp", "2", "--hsdp", "2"]}  # on 4 ranks
+MUON = ["--optim", "muon", "--clip", "0.5"]
+MUON_RUNS = {"tp 2, hsdp 2": (4, [*MUON, "--tp", "2", "--hsdp", "2"]), "pp 2": (4, [*MUON, "--pp", "2", "--microbatches", "2"])}
+CHECKPOINTED = ["--ckpt-dir", "CKPT", "--save-every", "2"]  # resumed, and restarted under --max-restarts=1
+
+
+def tested_flag_sets() -> list[tuple[list[str], bool]]:
+    """Every configuration of the example these tests run: (flags, restarted). The
+    documented commands (tests/test_docs.py) must each be one of them."""
+    runs = [([], False), (CHECKPOINTED, False), (CHECKPOINTED, True), (MUON, False), ([*MUON, *CHECKPOINTED], True)]
+    runs += [(flags, False) for _, flags in FLAG_RUNS.values()]
+    runs += [(flags, False) for flags in TP_RUNS.values()]
+    runs += [(flags, False) for _, flags in MUON_RUNS.values()]
+    return runs
 
 
 def _torchrun(*args: str, env: dict[str, str] | None = None, restarts: int = 0, nproc: int = 2) -> str:
@@ -84,22 +111,11 @@ def test_checkpointing_pipeline_compile_and_bf16_flags_train_like_the_plain_run(
     initial weights, the same training."""
     plain = _losses(plain_run[0])
     assert len(plain) == 6, plain
-    runs = {
-        "ac full, meta-init": _torchrun(*FLAG_RUN, "--ac", "full", "--meta-init"),
-        "ac selective": _torchrun(*FLAG_RUN, "--ac", "selective"),
-        "pp 1F1B, ac selective": _torchrun(*FLAG_RUN, "--pp", "2", "--microbatches", "2", "--ac", "selective", nproc=4),
-        "pp ZBVZeroBubble, ac full, compile": _torchrun(
-            *FLAG_RUN, "--pp", "2", "--microbatches", "2", "--pp-schedule", "ZBVZeroBubble", "--ac", "full",
-            "--compile", nproc=4,
-        ),
-        # torchtitan's order: TP plan, checkpoint wrapper, per-block compile, fully_shard.
-        # Inductor's float32 kernels round differently from eager ones, so the printed
-        # losses agree to a few units of their last digit. (Compile alone is tested at
-        # float64 parity in tests/test_compile.py.)
-        "compile, tp 2, ac full": _torchrun(*FLAG_RUN, "--compile", "--tp", "2", "--ac", "full", nproc=4),
-        # bf16 compute (fp32 reduce and master weights): the losses within bf16's rounding.
-        "bf16": _torchrun(*FLAG_RUN, "--bf16"),
-    }
+    runs = {name: _torchrun(*FLAG_RUN, *flags, nproc=nproc) for name, (nproc, flags) in FLAG_RUNS.items()}
+    # Inductor's float32 kernels round differently from eager ones, so the compiled runs'
+    # printed losses agree to a few units of their last digit (compile alone is tested at
+    # float64 parity in tests/test_compile.py); bf16 compute (fp32 reduce and master
+    # weights) within bf16's rounding.
     tolerance = {"compile, tp 2, ac full": 5e-4, "pp ZBVZeroBubble, ac full, compile": 5e-4, "bf16": 5e-3}
     for name, log in runs.items():
         got = _losses(log)
@@ -116,7 +132,7 @@ def test_tensor_parallel_and_hsdp_train_like_the_plain_run(tmp_path, plain_run) 
     all-reduce). HSDP alone is tested against local training in tests/test_nd_meshes.py."""
     want = _losses(plain_run[0])
     want_params = torch.load(plain_run[1])
-    for name, flags in (("tp 2, hsdp 1", ["--tp", "2"]), ("tp 2, hsdp 2", ["--tp", "2", "--hsdp", "2"])):
+    for name, flags in TP_RUNS.items():
         got_path = str(tmp_path / f"{name.replace(', ', '_').replace(' ', '')}.pt")
         got_log = _torchrun(*FLAG_RUN, *flags, "--final-params", got_path, nproc=4)
         assert f"world size 4, pp 1, {name}," in got_log
@@ -132,9 +148,6 @@ def test_tensor_parallel_and_hsdp_train_like_the_plain_run(tmp_path, plain_run) 
             )
 
 
-MUON = ["--optim", "muon", "--clip", "0.5"]
-
-
 def test_muon_and_clipping_across_layouts_and_a_restart(tmp_path) -> None:  # noqa: ANN001
     """``--optim muon --clip 0.5`` (fsdp2.optim.Muon on the blocks' matrices, AdamW on the
     rest, fsdp2.clip_grad_norm_): ``--tp 2 --hsdp 2`` (2 replicas x 1 shard x tp 2, the
@@ -143,10 +156,7 @@ def test_muon_and_clipping_across_layouts_and_a_restart(tmp_path) -> None:  # no
     with it) and ends with the uninterrupted run's parameters, bit for bit."""
     plain = _losses(_torchrun(*FLAG_RUN, *MUON))
     assert len(plain) == 6, plain
-    runs = {
-        "tp 2, hsdp 2": _torchrun(*FLAG_RUN, *MUON, "--tp", "2", "--hsdp", "2", nproc=4),
-        "pp 2": _torchrun(*FLAG_RUN, *MUON, "--pp", "2", "--microbatches", "2", nproc=4),
-    }
+    runs = {name: _torchrun(*FLAG_RUN, *flags, nproc=nproc) for name, (nproc, flags) in MUON_RUNS.items()}
     for name, log in runs.items():
         assert "optim muon, clip 0.5" in log
         got = _losses(log)
