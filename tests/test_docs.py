@@ -8,6 +8,7 @@ commands are parsed or run. A command of any other kind fails: check it here."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import pathlib
@@ -68,8 +69,20 @@ _SIZES = {"steps", "batch_size", "seq_len", "dim", "layers", "heads", "vocab", "
 COVERED_ELSEWHERE = {frozenset({("hsdp", 2)}): "tests/test_nd_meshes.py"}
 
 
+@functools.lru_cache(maxsize=None)
+def _defaults() -> dict[str, Any]:
+    return vars(_check_train_args([], 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _tested() -> frozenset:
+    import test_train_example
+
+    return frozenset((_configuration(flags, 4), r) for flags, r in test_train_example.tested_flag_sets())
+
+
 def _configuration(args: list[str], world: int) -> frozenset:
-    defaults = vars(_check_train_args([], 1))
+    defaults = _defaults()
     given = vars(_check_train_args(args, world))
     return frozenset((k, v if k != "ckpt_dir" else "set") for k, v in given.items()
                      if k not in _SIZES and v != defaults[k])
@@ -78,11 +91,8 @@ def _configuration(args: list[str], world: int) -> frozenset:
 def _check_train_run(args: list[str], world: int, restarted: bool) -> None:
     """A documented run of the example: its flags parse at its world size, and some test
     runs its configuration (tests/test_train_example.py, or COVERED_ELSEWHERE)."""
-    import test_train_example
-
     config = _configuration(args, world)
-    tested = {(_configuration(flags, 4), r) for flags, r in test_train_example.tested_flag_sets()}
-    if (config, restarted) in tested:
+    if (config, restarted) in _tested():
         return
     elsewhere = COVERED_ELSEWHERE.get(config)
     assert elsewhere is not None and not restarted and (ROOT / elsewhere).exists(), (
