@@ -367,3 +367,51 @@ def test_hsdp_checkpoint_loads_at_dp4(lib_name: str, ckpt_root: str) -> None:
         _assert_differs(s["init"], s["params"], f"training rank {rank}")
         _assert_equal(s["params"], saved[0]["params"], f"saved rank {rank}")
     _check_load(saved[0], _get(res["w4"], "hsdp_to_dp4"), "hsdp -> dp4")
+
+
+def _uneven_linears(rows: int, zero: bool) -> nn.Module:
+    """Two linears whose sharded dims TP and FSDP split unevenly (``rows`` = 7 on 2 x 2:
+    TP gives 4 and 3 rows, FSDP then 2 + 2 and 2 + 1); values that show any misplaced row."""
+    model = nn.Sequential(nn.Linear(4, rows, bias=False), nn.Linear(rows, 4, bias=False))
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.zeros_like(p) if zero else torch.arange(p.numel(), dtype=p.dtype).view(p.shape) + 1000 * i)
+    return model
+
+
+def _uneven_fsdp_over_tp(rank: int, world: int, lib_name: str, path: str) -> dict[str, bool]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    lib = impl(lib_name)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    full = {n: p.detach().clone() for n, p in _uneven_linears(7, zero=False).named_parameters()}
+
+    def sharded(zero: bool, two_d: bool) -> nn.Module:
+        model = _uneven_linears(7, zero)
+        if two_d:
+            parallelize_module(model, mesh["tp"], plan)
+        lib.fully_shard(model, mesh=mesh["dp"] if two_d else init_device_mesh("cpu", (world,)))
+        return model
+
+    out: dict[str, bool] = {}
+    model = sharded(zero=False, two_d=True)
+    out.update({f"full_tensor {n}": torch.equal(p.full_tensor(), full[n]) for n, p in model.named_parameters()})
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    for two_d in (True, False):
+        target = sharded(zero=True, two_d=two_d)
+        state = get_model_state_dict(target)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(target, state)
+        out.update({f"loaded {'2d' if two_d else '1d'} {n}": torch.equal(p.full_tensor(), full[n])
+                    for n, p in target.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("lib_name", LIBS)
+def test_uneven_fsdp_over_tp_full_tensor_and_checkpoint(lib_name: str, tmp_path: Any) -> None:
+    """FSDP over TP where both split a dim unevenly: ``full_tensor`` gives the original
+    weights, and a DCP checkpoint of them loads into the same 2-D layout and into 1-D FSDP
+    over all ranks unchanged."""
+    for rank, out in enumerate(run_ranks(_uneven_fsdp_over_tp, 4, lib_name, str(tmp_path / "ckpt"))):
+        assert out and all(out.values()), (rank, out)
