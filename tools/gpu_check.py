@@ -56,17 +56,16 @@ def _build(lib: Any, device: torch.device, mixed: bool, offload: bool) -> tuple[
     with torch.device(device):
         model = Transformer(ARGS)
     model.init_weights(0)
-    if lib is None:  # the unsharded replica
-        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs: dict[str, Any] = {}
-    if mixed:
-        kwargs["mp_policy"] = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if offload:
-        kwargs["offload_policy"] = lib.CPUOffloadPolicy()
-    for layer in model.layers:
-        lib.fully_shard(layer, mesh=mesh, **kwargs)
-    lib.fully_shard(model, mesh=mesh, **kwargs)
+    if lib is not None:  # else the unsharded replica
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        kwargs: dict[str, Any] = {}
+        if mixed:
+            kwargs["mp_policy"] = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if offload:
+            kwargs["offload_policy"] = lib.CPUOffloadPolicy()
+        for layer in model.layers:
+            lib.fully_shard(layer, mesh=mesh, **kwargs)
+        lib.fully_shard(model, mesh=mesh, **kwargs)
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
@@ -169,7 +168,7 @@ def _overlap(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.d
 
 def _compare(ours: dict[str, Any], theirs: dict[str, Any], loss_tol: float, param_tol: float) -> tuple[bool, float, float]:
     loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], theirs["losses"]))
-    param_err = max((ours["params"][n] - v).abs().max().item() for n, v in theirs["params"].items())
+    param_err = _param_err(ours["params"], theirs["params"])
     ok = loss_err <= loss_tol and param_err <= param_tol  # NaN compares False: a failure
     return ok, loss_err, param_err
 
