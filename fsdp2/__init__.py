@@ -3,7 +3,13 @@
 from . import optim  # noqa: F401 (fsdp2.optim.Muon after import fsdp2)
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from ._state_dict import StateDictError
-from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .api import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardPlacementResult,
+)
 from .fully_shard import fully_shard
 from .optim import clip_grad_norm_
 
@@ -13,6 +19,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardPlacementResult",
     "StateDictError",
     "UnshardHandle",
     "clip_grad_norm_",

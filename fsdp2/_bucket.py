@@ -91,6 +91,8 @@ class FlatBucket:
         self.in_place: InPlace | None = None  # ``gloo.in_place``, where it applies
         self.offload = offload
         self.device = device  # where gathers and reduces run (the shards' too, without offload)
+        # reshard_after_forward=int: (factor, the group over those ranks, this rank's place)
+        self._partial: tuple[int, dist.ProcessGroup, int] | None = None
         self._allocate_sharded(originals, device)
 
     # ------------------------------------------------------------------ storage
@@ -269,11 +271,24 @@ class FlatBucket:
         self._allocate_unsharded()
 
     # --------------------------------------------------------------- all-gather
-    def start_all_gather(
-        self, partial_group: dist.ProcessGroup | None, after: torch.futures.Future | None = None
-    ) -> None:
-        """Phase 1 of unshard (``BucketGather.start``)."""
-        self.gather.start(partial_group, after)
+    def set_partial_reshard(self, factor: int | None) -> None:
+        """``reshard_after_forward=factor``: keep ``factor``'s share of the gathered rows
+        after forward and gather the rest back over ``factor`` ranks; a factor that is
+        this mesh's shard size reshards fully (per-parameter meshes of other sizes)."""
+        if factor is None or factor >= self.comm.shard_size:
+            self._partial = None
+        else:
+            self._partial = (factor, *self.comm.partial_group(factor))
+
+    @property
+    def partial_group(self) -> dist.ProcessGroup | None:
+        """The group the backward all-gather runs over after a partial reshard."""
+        return self._partial[1] if self._partial is not None else None
+
+    def start_all_gather(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
+        """Phase 1 of unshard (``BucketGather.start``), from the rows kept after forward
+        when ``from_partial``."""
+        self.gather.start(self.partial_group if from_partial else None, after)
 
     def finish_all_gather(self) -> None:
         """Phase 2 of unshard (``BucketGather.finish``)."""
@@ -287,13 +302,15 @@ class FlatBucket:
         self.kept.clear()
         self.free_unsharded()
 
-    def reshard_partial(self, factor: int, index: int) -> None:
+    def reshard_partial(self) -> None:
         """Keep only the ranks ``[index*W/factor, (index+1)*W/factor)`` of the gathered
         rows, so the backward all-gather runs over ``factor`` ranks only. (All-gather
-        extensions gather whole: their buckets reshard fully.)"""
-        if self.extension:
+        extensions gather whole, and a factor of the whole shard group means all: those
+        buckets reshard fully.)"""
+        if self.extension or self._partial is None:
             self.reshard()
             return
+        factor, _, index = self._partial
         keep = self.gather.kept_rows(factor, index)
         self.free_unsharded()
         self.gather.partial = keep

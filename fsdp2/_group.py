@@ -36,7 +36,6 @@ import weakref
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ._bucket import FlatBucket
@@ -97,10 +96,9 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.buckets = build_buckets(params, originals, comm, device, mp_policy, offload_policy)
         self.set_name(type(modules[0]).__name__)
-        self.reshard_after_forward_arg = reshard_after_forward  # None: decided at lazy init
-        self.reshard_after_forward: bool | int = True if reshard_after_forward is None else reshard_after_forward
-        self.partial_group: dist.ProcessGroup | None = None
-        self.partial_index = 0
+        self.reshard_after_forward_arg: bool | int | None = None  # None: decided at lazy init
+        self.reshard_after_forward: bool | int = True
+        self.set_reshard_after_forward(reshard_after_forward)
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: all-reduce over the replicas after the reduce-scatter
@@ -127,6 +125,21 @@ class ParamGroup:
         # Parameters an earlier call on a sibling module manages: raised at lazy init.
         self.shared_elsewhere: list[SharedParam] = []
 
+    @property
+    def meshes(self) -> list[MeshInfo]:
+        """The meshes its buckets shard over: one, or one per mesh that
+        ``shard_placement_fn`` named (per-parameter meshes)."""
+        return list({id(b.comm): b.comm for b in self.buckets}.values()) or [self.comm]
+
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """``value`` as ``reshard_after_forward_value`` checked it against every mesh of
+        the group; an int reshards each bucket to that many of its mesh's ranks."""
+        self.reshard_after_forward_arg = value
+        self.reshard_after_forward = True if value is None else value
+        factor = value if isinstance(value, int) and not isinstance(value, bool) else None
+        for b in self.buckets:
+            b.set_partial_reshard(factor)
+
     def set_name(self, name: str) -> None:
         """Name used in messages: the module's FQN under the root, once known."""
         self.name = name
@@ -144,9 +157,9 @@ class ParamGroup:
         self.checks.run(self.buckets, self.params, self.comm.mesh.device_type, self.name, prefix)
         if self.ctx is not None and any(b.storage_lent for b in self.buckets):
             self.ctx.finish_reduces_of(self)  # its storage still holds the gradients
-        partial = self.partial_group if self.shard_state is ShardState.PARTIAL else None
+        from_partial = self.shard_state is ShardState.PARTIAL
         for b in self.buckets:
-            b.start_all_gather(partial, after)
+            b.start_all_gather(from_partial, after)
         self.shard_state = ShardState.GATHERING
 
     def wait_for_unshard(self) -> None:
@@ -199,7 +212,7 @@ class ParamGroup:
                 self.reshard()
         elif value is not False and self.shard_state is ShardState.UNSHARDED:
             for b in self.buckets:
-                b.reshard_partial(value, self.partial_index)
+                b.reshard_partial()
             self._show_sharded(ShardState.PARTIAL)
 
     def frees_after_forward(self) -> bool:
@@ -362,7 +375,7 @@ class ParamGroup:
                     # Every rank decides alike here, whatever gradients it deposited
                     # (which ones a rank computed can depend on its data).
                     b.lend_storage()
-                b.reduce.start(self.divide_factor(), self.requires_all_reduce)
+                b.reduce.start(self.divide_factor(b), self.requires_all_reduce)
                 self.ctx.add_pending_reduce(self, b)
 
     def has_unsharded_grads(self) -> bool:
@@ -371,8 +384,10 @@ class ParamGroup:
     def forget_calls(self) -> None:
         self.calls.forget()
 
-    def divide_factor(self) -> float:
-        return float(self.gradient_divide_factor or self.comm.dp_size)
+    def divide_factor(self, bucket: FlatBucket) -> float:
+        """What ``bucket``'s reduced gradients are divided by: the ranks of its mesh (as
+        torch divides each per-parameter mesh's group), or the user's factor."""
+        return float(self.gradient_divide_factor or bucket.comm.dp_size)
 
     def reset(self) -> None:
         """Forget this iteration: reshard, drop deposited gradients and pending work."""

@@ -37,22 +37,24 @@ def build_buckets(
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None,
 ) -> list[FlatBucket]:
-    """One bucket per dtype; plain parameters, subclasses over the flat buffer and
-    subclasses with shards of their own (``FSDPParam.dispatched``) in buckets of their
-    own. Raises before any storage is made if the offload cannot serve them."""
+    """One bucket per mesh and dtype (per-parameter meshes: one group per mesh, in the
+    order their parameters first appear); plain parameters, subclasses over the flat
+    buffer and subclasses with shards of their own (``FSDPParam.dispatched``) in buckets
+    of their own. Raises before any storage is made if the offload cannot serve them."""
     compute_device = mesh_device(comm.mesh)
     if HostOffload.for_policy(offload_policy, compute_device) is not None:
         check_offloadable(params)
-    by_dtype: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
+    by_dtype: dict[tuple[int, torch.dtype, bool, bool], list[int]] = {}
     for i, p in enumerate(params):
-        by_dtype.setdefault((p.dtype, p.extension, p.dispatched), []).append(i)
+        by_dtype.setdefault((id(p.comm), p.dtype, p.extension, p.dispatched), []).append(i)
     buckets = []
-    for (dtype, _, _), idx in by_dtype.items():
+    for (_, dtype, _, _), idx in by_dtype.items():
         floating = dtype.is_floating_point
         compute = mp_policy.param_dtype if (mp_policy.param_dtype and floating) else dtype
         reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and floating) else compute
         offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its own copies
-        bucket = FlatBucket([params[i] for i in idx], [originals[i] for i in idx], comm, device, compute, reduce, offload)
+        mesh = params[idx[0]].comm
+        bucket = FlatBucket([params[i] for i in idx], [originals[i] for i in idx], mesh, device, compute, reduce, offload)
         bucket.mp_policy = mp_policy
         # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
         bucket.follows_dtype = (

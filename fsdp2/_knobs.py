@@ -36,6 +36,7 @@ class CommKnobs:
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
         group = self._fsdp2_state.group
+        _check_one_mesh("set_all_reduce_hook", group, "hook")
         if stream is not None:
             if group.comm.is_hsdp:
                 raise ValueError("set_all_reduce_hook(stream=...) cannot be set with native HSDP (a 2D mesh)")
@@ -51,6 +52,7 @@ class CommKnobs:
         ``comm(output_tensor, input_tensor, group, async_op=True)`` returning a work
         handle), instead of fsdp2's own gathers."""
         _check_comm("set_custom_all_gather", comm)
+        _check_one_mesh("set_custom_all_gather", self._fsdp2_state.group, "collective")
         for b in self._fsdp2_state.group.buckets:
             b.custom_all_gather = comm
 
@@ -62,6 +64,7 @@ class CommKnobs:
         flags, 0-dim parameters' gradients). 0-dim parameters stay equal across ranks
         only if ``comm`` sums every element in the same rank order."""
         _check_comm("set_custom_reduce_scatter", comm)
+        _check_one_mesh("set_custom_reduce_scatter", self._fsdp2_state.group, "collective")
         for b in self._fsdp2_state.group.buckets:
             b.reduce.custom = comm
             b.update_direct()
@@ -120,6 +123,18 @@ class CommKnobs:
 def check_bool(method: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{method} expects a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_one_mesh(method: str, group: Any, what: str) -> None:
+    """torch refuses these knobs on a module whose parameters live on several meshes
+    (per-parameter meshes): one hook or collective would serve different process groups."""
+    meshes = group.meshes
+    if len(meshes) > 1:
+        raise ValueError(
+            f"{method} is not supported on a module whose parameters are sharded over {len(meshes)} meshes "
+            f"(shard_placement_fn returned ShardPlacementResult): the {what} would serve different process "
+            "groups. Shard the parameters of the other mesh in a fully_shard call of their own to set it"
+        )
 
 
 def _check_comm(method: str, comm: Any) -> None:

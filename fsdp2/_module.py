@@ -122,11 +122,12 @@ class FSDPModule(CommKnobs):
             g.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the mesh size."""
+        """Divide this module's reduced gradients by ``factor`` instead of its mesh's size
+        (each mesh's with per-parameter meshes). Only this module's, as torch's: call it
+        on every ``FSDPModule`` (``for m in model.modules()``) to change them all."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
-        for g in self._target_groups(True):
-            g.gradient_divide_factor = float(factor)
+        self._fsdp2_state.group.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Older name of ``set_gradient_divide_factor``."""
@@ -135,18 +136,14 @@ class FSDPModule(CommKnobs):
     # ------------------------------- memory: when parameters are freed and gathered
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (see ``fully_shard``) for later forwards."""
-        group = self._fsdp2_state.group
-        reshard_after_forward = reshard_after_forward_value(reshard_after_forward, group.comm.shard_size)
         if reshard_after_forward is None:
             raise ValueError("set_reshard_after_forward expects a bool or an int, got None")
-        partial = None
-        if not isinstance(reshard_after_forward, bool):
-            partial = group.comm.partial_group(reshard_after_forward)
-        for g in self._target_groups(recurse):
-            g.reshard_after_forward = reshard_after_forward
-            g.reshard_after_forward_arg = reshard_after_forward
-            if partial is not None:
-                g.partial_group, g.partial_index = partial
+        groups = self._target_groups(recurse)
+        # Checked against every group's meshes before anything changes.
+        sizes = [tuple(m.shard_size for m in g.meshes) for g in groups]
+        values = [reshard_after_forward_value(reshard_after_forward, s) for s in sizes]
+        for g, value in zip(groups, values):
+            g.set_reshard_after_forward(value)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps parameters unsharded after backward (saves the next forward's

@@ -66,6 +66,7 @@ class FSDPParam:
         self, fqn: str, owners: list[tuple[nn.Module, str]], param: torch.Tensor, info: MeshInfo, dim: int
     ) -> None:
         self.fqn = fqn
+        self.comm = info  # the mesh it is sharded over (its bucket's)
         self.owners = owners  # every (module, attribute) registering this parameter (tied weights)
         self.shape = param.shape  # the global shape, as the DTensors report it
         self.stride = _contiguous_stride(tuple(param.shape))

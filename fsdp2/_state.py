@@ -18,9 +18,10 @@ from ._group import ParamGroup, ShardState, TrainingState
 from ._shared import raise_deferred
 from .optim import local_step
 
-# Reduce-scatters allowed in flight before the oldest is waited for: bounds the
-# pooled reduce buffers alive at once (each holds a full unsharded gradient) while
-# the newest still overlaps the next group's backward.
+# Groups whose reduce-scatters may be in flight before the oldest is waited for: bounds
+# the pooled reduce buffers alive at once (each holds a full unsharded gradient) while
+# the newest still overlaps the next group's backward. A group's reduces (one per
+# bucket: per dtype, per mesh with per-parameter meshes) are waited for together.
 MAX_PENDING_REDUCES = 1
 
 
@@ -234,16 +235,16 @@ class RootContext:
 
     def add_pending_reduce(self, group: ParamGroup, bucket: FlatBucket) -> None:
         self.pending_reduces.append((group, bucket))
-        while len(self.pending_reduces) > MAX_PENDING_REDUCES:
-            self._finish_oldest_reduce()
+        while self._pending_groups() > MAX_PENDING_REDUCES:
+            self._finish_oldest_group()
 
     def make_room_for_reduce(self, group: ParamGroup) -> None:
         """Before ``group`` deposits gradients: finish its own reduce-scatter still in flight
         (from an earlier backward with ``set_is_last_backward(False)``: it reads the buffer
         the deposit writes), and those beyond the allowed number in flight."""
         self.finish_reduces_of(group)
-        while self.root.is_last_backward and len(self.pending_reduces) >= MAX_PENDING_REDUCES:
-            self._finish_oldest_reduce()
+        while self.root.is_last_backward and self._pending_groups() >= MAX_PENDING_REDUCES:
+            self._finish_oldest_group()
 
     def reduce_in_flight(self) -> torch.futures.Future | None:
         """The newest reduce in storage still running, if any."""
@@ -256,6 +257,15 @@ class RootContext:
     def finish_reduces_of(self, group: ParamGroup) -> None:
         """Wait for ``group``'s reduce-scatters in flight (and the older ones before them)."""
         while any(g is group for g, _ in self.pending_reduces):
+            self._finish_oldest_reduce()
+
+    def _pending_groups(self) -> int:
+        return len({id(g) for g, _ in self.pending_reduces})
+
+    def _finish_oldest_group(self) -> None:
+        """Wait for the oldest group's reduces, all of its buckets."""
+        oldest = self.pending_reduces[0][0]
+        while self.pending_reduces and self.pending_reduces[0][0] is oldest:
             self._finish_oldest_reduce()
 
     def _finish_oldest_reduce(self) -> None:
@@ -296,7 +306,7 @@ class RootContext:
                 if g.requires_gradient_sync:
                     ran = g.training_state is TrainingState.PRE_BACKWARD
                     for b in g.buckets:
-                        b.commit.commit_direct(g.divide_factor(), ran)
+                        b.commit.commit_direct(g.divide_factor(b), ran)
             for b in g.buckets:
                 b.commit.commit()
             g.held_by_user = False  # an unshard() window ends with the backward

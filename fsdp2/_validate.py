@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,17 +64,18 @@ def validate_mesh(mesh: Any) -> None:
         raise ValueError("this rank is not part of the mesh passed to fully_shard")
 
 
-def reshard_after_forward_value(value: Any, world: int) -> bool | int | None:
-    """``value`` checked against the shard size ``world``, an int that means a bool turned
-    into it: 1 (keep all of them, reshard to one rank's worth) is ``False`` and the
-    shard size is ``True``."""
+def reshard_after_forward_value(value: Any, sizes: tuple[int, ...]) -> bool | int | None:
+    """``value`` checked against the shard sizes of the group's meshes (one, or one per
+    mesh with per-parameter meshes), an int that means a bool turned into it: 1 (keep
+    all of them, reshard to one rank's worth) is ``False`` and the shard size is ``True``."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
         raise TypeError(f"reshard_after_forward expects a bool, an int or None, got {type(value).__name__}")
-    if not (1 <= value <= world and world % value == 0):
+    if not all(1 <= value <= world and world % value == 0 for world in sizes):
+        what = f"the shard size {sizes[0]}" if len(sizes) == 1 else f"every shard size of the group's meshes {sizes}"
         raise ValueError(
-            f"reshard_after_forward={value} must divide the shard size {world} (the data-parallel "
+            f"reshard_after_forward={value} must divide {what} (the data-parallel "
             "dim parameters are sharded over); "
             "use True (free all) or False (keep all) otherwise"
         )
@@ -86,7 +86,7 @@ def reshard_after_forward_value(value: Any, world: int) -> bool | int | None:
             stacklevel=3,
         )
         return False
-    return True if value == world else value
+    return True if all(value == world for world in sizes) else value
 
 
 def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
@@ -141,36 +141,8 @@ def validate_ignored(ignored_params: Any) -> set[int]:
     return {id(p) for p in ignored_params}
 
 
-def shard_dims(
-    params: list[torch.Tensor], fqns: dict, placement_fn: Callable | None, mesh: DeviceMesh, check_tp: bool
-) -> list[int]:
-    """The dim each parameter shards on (0 unless ``shard_placement_fn`` says otherwise),
-    checking that tensor-parallel parameters can compose with ``mesh``."""
-    dims = []
-    for p in params:
-        local = p._local_tensor if isinstance(p, DTensor) else p
-        if isinstance(p, DTensor) and check_tp:
-            _validate_tp_param(p, fqns[p], mesh)
-        placement = placement_fn(p) if placement_fn is not None else None
-        if placement is None:
-            dims.append(0)
-            continue
-        if type(placement) is not Shard:
-            raise ValueError(
-                f"shard_placement_fn returned {placement!r} for {fqns[p]}; it may return None or Shard(dim)"
-            )
-        dim = placement.dim
-        if local.dim() == 0 or not -local.dim() <= dim < local.dim():
-            raise ValueError(
-                f"shard_placement_fn returned Shard({dim}) for {fqns[p]} of shape {tuple(local.shape)}: "
-                + ("a 0-dim parameter is replicated, return None for it" if local.dim() == 0
-                   else f"the dim must lie in [{-local.dim()}, {local.dim() - 1}]")
-            )
-        dims.append(dim % local.dim())
-    return dims
-
-
-def _validate_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:
+def check_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:
+    """A tensor-parallel parameter can compose with the data-parallel ``mesh``."""
     if p.device_mesh.device_type != mesh.device_type:
         raise ValueError(
             f"parameter {fqn} is a DTensor on a {p.device_mesh.device_type} mesh but fully_shard got a "
@@ -223,30 +195,28 @@ def validate_dp_mesh_dims(dims: Any, mesh: Any) -> DataParallelMeshDims:
     return dims
 
 
-def validate_spmd_params(params: list[torch.Tensor], fqns: dict, spmd: SpmdDims) -> None:
-    """Every parameter of an SPMD group is a DTensor on the full mesh, replicated over the
+def validate_spmd_param(p: torch.Tensor, fqn: str, spmd: SpmdDims) -> None:
+    """A parameter of an SPMD group is a DTensor on the full mesh, replicated over the
     data-parallel dims and placed with Shard or Replicate on the others."""
     names = spmd.mesh.mesh_dim_names
-    for p in params:
-        fqn = fqns[p]
-        if not isinstance(p, DTensor):
+    if not isinstance(p, DTensor):
+        raise ValueError(
+            f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a plain tensor; every parameter must "
+            f"already be a DTensor on the full mesh {names} (distribute_tensor / distribute_module), "
+            "with Replicate() on the data-parallel dims"
+        )
+    if p.device_mesh != spmd.mesh:
+        raise ValueError(
+            f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a DTensor on {p.device_mesh}, not on the "
+            f"mesh passed to fully_shard {spmd.mesh}; distribute it over that mesh"
+        )
+    for i in sorted(spmd.dp):
+        if not isinstance(p.placements[i], Replicate):
             raise ValueError(
-                f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a plain tensor; every parameter must "
-                f"already be a DTensor on the full mesh {names} (distribute_tensor / distribute_module), "
-                "with Replicate() on the data-parallel dims"
+                f"fully_shard(dp_mesh_dims=...): parameter {fqn} has placements {tuple(p.placements)}; "
+                f"expected Replicate() on the data-parallel dim {names[i]!r} (fully_shard shards it)"
             )
-        if p.device_mesh != spmd.mesh:
-            raise ValueError(
-                f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a DTensor on {p.device_mesh}, not on the "
-                f"mesh passed to fully_shard {spmd.mesh}; distribute it over that mesh"
-            )
-        for i in sorted(spmd.dp):
-            if not isinstance(p.placements[i], Replicate):
-                raise ValueError(
-                    f"fully_shard(dp_mesh_dims=...): parameter {fqn} has placements {tuple(p.placements)}; "
-                    f"expected Replicate() on the data-parallel dim {names[i]!r} (fully_shard shards it)"
-                )
-        _check_placement_kinds(p, fqn)
+    _check_placement_kinds(p, fqn)
 
 
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:

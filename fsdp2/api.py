@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,3 +98,26 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
     if value is None:
         return ()
     return (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass(frozen=True)
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` may return to shard one parameter over a mesh of its
+    own (Mixture-of-Experts: routed experts over the expert-data-parallel mesh, the rest
+    over the mesh passed to ``fully_shard``). The parameters of one ``fully_shard`` call
+    on different meshes form one group per mesh: one all-gather and one reduce each,
+    issued together.
+
+    Attributes:
+        placement: ``Shard(dim)``, or ``None`` for ``Shard(0)``.
+        mesh: a 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) mesh; ``None``: the
+            mesh passed to ``fully_shard``. With ``dp_mesh_dims``, the full SPMD mesh.
+        dp_mesh_dims: as ``fully_shard(dp_mesh_dims=...)``, for this mesh.
+
+    torch's own ``ShardPlacementResult(placement, mesh_info)`` (with an
+    ``FSDPMeshInfo``/``HSDPMeshInfo``) is accepted too, read by its fields.
+    """
+
+    placement: Any = None
+    mesh: Any = None
+    dp_mesh_dims: DataParallelMeshDims | None = None

@@ -18,24 +18,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ._group import ParamGroup, ShardState
-from ._mesh import MeshInfo, SpmdDims, mesh_device, shard_size
+from ._mesh import MeshInfo, SpmdDims, mesh_device
 from ._module import FSDPModule, fsdp_class
 from ._param import FSDPParam, sharded_owner, unsharded_owner
+from ._placement import MeshTarget, resolve_placements
 from ._shared import SharedParam, find_under, shared_error
 from ._state import FSDPState
 from ._state_dict import register_state_dict_hooks
 from ._validate import (
     default_mesh,
     reshard_after_forward_value,
-    shard_dims,
     validate_dp_mesh_dims,
     validate_ignored,
     validate_mesh,
     validate_modules,
     validate_policies,
-    validate_spmd_params,
 )
-from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, ShardPlacementResult
 from .optim import local_step
 
 # id(original parameter) -> (weak refs to it and to the FSDPParam that replaced it): an
@@ -54,7 +53,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
@@ -82,7 +81,11 @@ def fully_shard(
             except ``False`` for the root module and for the last module to run
             forward, whose backward comes first.
         shard_placement_fn: may return ``None`` (dim 0) or ``Shard(d)`` per parameter,
-            any dim, negative too; sizes need not divide the shard count.
+            any dim, negative too; sizes need not divide the shard count. Or a
+            ``ShardPlacementResult(placement, mesh)`` (fsdp2's or torch's) that shards the
+            parameter over a mesh of its own, e.g. MoE experts over the expert-data-parallel
+            mesh: the parameters on each mesh form a group of their own (one all-gather and
+            one reduce each, issued together), spanning as many ranks as the rest.
         mp_policy: mixed precision, see ``MixedPrecisionPolicy``.
         offload_policy: ``OffloadPolicy()`` or ``CPUOffloadPolicy()``.
         ignored_params: parameters left plain: not sharded, not synchronized.
@@ -99,26 +102,24 @@ def fully_shard(
     if dp_mesh_dims is not None:
         mesh, spmd = SpmdDims.split(mesh, validate_dp_mesh_dims(dp_mesh_dims, mesh))
     validate_mesh(mesh)
-    reshard_after_forward = reshard_after_forward_value(reshard_after_forward, shard_size(mesh, spmd))
     mp_policy, offload_policy = validate_policies(mp_policy, offload_policy, mesh)
     ignored = validate_ignored(ignored_params)
     owners, fqns, shared = _collect_params(modules, ignored)
     params = list(owners)
-    if spmd is not None:
-        validate_spmd_params(params, fqns, spmd)
-    dims = shard_dims(params, fqns, shard_placement_fn, mesh, spmd is None)
+    default = MeshTarget(mesh, spmd)
+    placed = resolve_placements(params, fqns, shard_placement_fn, default)
+    targets = list(dict.fromkeys([default, *(pl.target for pl in placed)]))
+    reshard_after_forward = reshard_after_forward_value(reshard_after_forward, tuple(t.shard_size for t in targets))
 
     device = mesh_device(mesh)
-    info = MeshInfo.from_mesh(mesh, spmd)
-    fsdp_params = [FSDPParam(fqns[p], owners[p], p, info, dim) for p, dim in zip(params, dims)]
+    infos = {t: MeshInfo.from_mesh(t.mesh, t.spmd) for t in targets}
+    fsdp_params = [FSDPParam(fqns[p], owners[p], p, infos[pl.target], pl.dim) for p, pl in zip(params, placed)]
     shard_device = torch.device("meta") if any(p.device.type == "meta" for p in params) else device
     group = ParamGroup(
-        fsdp_params, params, modules, info, shard_device, mp_policy, reshard_after_forward, offload_policy
+        fsdp_params, params, modules, infos[default], shard_device, mp_policy, reshard_after_forward, offload_policy
     )
     group.shared_elsewhere = shared
     _move_buffers(modules, device)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        group.partial_group, group.partial_index = info.partial_group(reshard_after_forward)
     for fp, original in zip(fsdp_params, params):
         fp.register_sharded()
         _remember(_REPLACED, id(original), (weakref.ref(original), weakref.ref(fp)))

@@ -178,7 +178,11 @@ def _reshard_after_backward_worker(rank: int, world: int) -> dict:
     loss_fn(model(ids.chunk(world)[rank]), tg.chunk(world)[rank]).backward()
     kept = all(g.shard_state is ShardState.UNSHARDED for g in _groups(model))
     model.set_reshard_after_backward(True)
-    model.set_gradient_divide_factor(1.0)  # sum instead of mean
+    model.set_gradient_divide_factor(3.0)  # this module's own only, as torch's
+    root_only = [g.gradient_divide_factor for g in _groups(model)].count(3.0) == 1
+    for m in model.modules():  # every one sums instead of averaging
+        if isinstance(m, fsdp2.FSDPModule):
+            m.set_gradient_divide_factor(1.0)
     loss_fn(model(ids.chunk(world)[rank]), tg.chunk(world)[rank]).backward()
     loss_fn(ref(ids), tg).backward()
     # First backward averaged (divide by W), second summed: grad = g + W * g.
@@ -186,7 +190,7 @@ def _reshard_after_backward_worker(rank: int, world: int) -> dict:
         (p.grad.full_tensor() - q.grad * (1 + world)).abs().max().item()
         for p, q in zip(model.parameters(), ref.parameters())
     )
-    return {"kept_unsharded": kept, "resharded": all(g.shard_state is ShardState.SHARDED for g in _groups(model)), "grad_ok": worst < 1e-12}
+    return {"kept_unsharded": kept, "resharded": all(g.shard_state is ShardState.SHARDED for g in _groups(model)), "grad_ok": worst < 1e-12, "root_only": root_only}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -362,7 +366,7 @@ def _reinit_worker(rank: int, world: int, port: int) -> list:
         loss.backward()
         losses.append(loss.item())
         group = model.blocks[0]._fsdp2_state.group
-        made = [group.partial_group] + [b.in_place.gather_group for b in group.buckets]
+        made = [group.buckets[0].partial_group] + [b.in_place.gather_group for b in group.buckets]
         known = []
         for pg in made:  # torch.distributed knows (registered) every group fsdp2 uses
             try:

@@ -115,10 +115,10 @@ def _install() -> None:
 
     start = bucket_module.FlatBucket.start_all_gather
 
-    def noted_start(self: Any, partial_group: Any, after: Any = None) -> None:
-        if partial_group is not None and self.gather.partial is not None:
+    def noted_start(self: Any, from_partial: bool, after: Any = None) -> None:
+        if from_partial and self.partial_group is not None and self.gather.partial is not None:
             _CURRENT[0].from_partial += 1
-        start(self, partial_group, after)
+        start(self, from_partial, after)
 
     gather_module.all_gather_flat = counted_gather
     bucket_module.FlatBucket.start_all_gather = noted_start  # type: ignore[method-assign]

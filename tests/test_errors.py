@@ -76,7 +76,7 @@ def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     check("offload_type", lambda: fsdp2.fully_shard(lin, offload_policy=True), TypeError, "OffloadPolicy")
     check("mp_dtype", lambda: fsdp2.MixedPrecisionPolicy(param_dtype="bf16"), TypeError, "torch.dtype")
     check("mp_int", lambda: fsdp2.MixedPrecisionPolicy(param_dtype=torch.int32), ValueError, "floating-point")
-    check("placement", lambda: fsdp2.fully_shard(lin, shard_placement_fn=lambda p: torch.distributed.tensor.Replicate()), ValueError, "may return None or Shard(dim)")
+    check("placement", lambda: fsdp2.fully_shard(lin, shard_placement_fn=lambda p: torch.distributed.tensor.Replicate()), ValueError, "may return None, Shard(dim)")
     check("placement_dim", lambda: fsdp2.fully_shard(lin, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(-3)), ValueError, "must lie in [-2, 1]")
     import _subclass
 
