@@ -1,4 +1,5 @@
-"""A small Llama-style transformer: RMSNorm, rotary attention, SwiGLU MLP."""
+"""A small Llama-style transformer: RMSNorm, rotary attention, SwiGLU MLP, or a
+Mixture-of-Experts of SwiGLU experts (token choice, top-k) in place of the MLP."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class ModelArgs:
     hidden_dim: int = 344
     max_seq_len: int = 128
     rope_theta: float = 10000.0
+    n_experts: int = 0  # > 0: each block's MLP is a Mixture-of-Experts of this many experts
+    top_k: int = 2  # experts per token
 
 
 class RMSNorm(nn.Module):
@@ -80,13 +83,85 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GroupedExperts(nn.Module):
+    """``n`` SwiGLU experts as 3-D parameters (expert, in, out). Under expert parallel
+    they are ``Shard(0)`` DTensors over the ep mesh: each rank computes its own experts."""
+
+    def __init__(self, n: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = n
+        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x``: rows sorted by (this rank's) expert, ``counts[j]`` for expert j."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        outs = [(F.silu(xj @ w1[j]) * (xj @ w3[j])) @ w2[j] for j, xj in enumerate(x.split(counts))]
+        return torch.cat(outs)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class MoE(nn.Module):
+    """Token-choice routing: each token goes to its ``top_k`` experts by softmax score and
+    returns their outputs weighted by those scores. With ``ep_group`` (expert parallel)
+    rows travel to the ranks holding their experts and back, one all-to-all each way."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.top_k = args.top_k
+        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.hidden_dim)
+        self.ep_group: object | None = None  # set by examples/moe.py's parallelize_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores, chosen = torch.softmax(self.router(x).float(), dim=-1).topk(self.top_k, dim=-1)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        rows = x[order // self.top_k]  # one row per (token, choice), grouped by expert
+        counts = torch.bincount(flat, minlength=self.experts.num_experts)
+        out = self.experts(rows, counts.tolist()) if self.ep_group is None else _dispatch(self, rows, counts)
+        unsorted = torch.zeros_like(out).index_copy(0, order, out)
+        y = (unsorted.view(-1, self.top_k, shape[-1]) * scores.unsqueeze(-1).to(out.dtype)).sum(1)
+        return y.reshape(shape)
+
+
+def _dispatch(moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Expert parallel: send each row to the rank of its expert, run this rank's experts,
+    send the outputs back (autograd sends the gradients the other way)."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    group = moe.ep_group
+    ep = dist.get_world_size(group)
+    local = moe.experts.num_experts // ep
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)  # [source rank][local expert]
+    grid = received_counts.view(ep, local)
+    send, recv = counts.view(ep, local).sum(1).tolist(), grid.sum(1).tolist()
+    received = all_to_all_single_autograd(rows, recv, send, group)
+    by_source = received.split(grid.flatten().tolist())  # (source, expert) order
+    out = moe.experts(torch.cat([by_source[s * local + j] for j in range(local) for s in range(ep)]),
+                      grid.sum(0).tolist())
+    by_expert = out.split(grid.t().flatten().tolist())  # (expert, source) order
+    back = torch.cat([by_expert[j * ep + s] for s in range(ep) for j in range(local)])
+    return all_to_all_single_autograd(back, send, recv, group)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoE(args) if args.n_experts else FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)

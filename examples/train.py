@@ -6,6 +6,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py --tp 2           # dp 2 x tp 2
     torchrun --standalone --nproc-per-node 4 examples/train.py --hsdp 2         # HSDP: 2 replicas x 2 shards
     torchrun --standalone --nproc-per-node 2 examples/train.py --optim muon --clip 1.0
+    torchrun --standalone --nproc-per-node 4 examples/train.py --moe --experts 4 --top-k 2 --ep 2
 
 CPU + gloo by default; GPUs + NCCL when CUDA is available (one GPU per rank).
 Each block is its own fsdp2 group, plus the root (embeddings, final norm, output).
@@ -37,6 +38,13 @@ orthogonalized once, by one rank) and the rest with AdamW; ``--clip X`` clips th
 gradient norm with ``fsdp2.clip_grad_norm_`` (across tensor-parallel meshes and pipeline
 stages). Both combine with ``--tp``, ``--hsdp``, ``--pp`` and checkpoints.
 
+``--moe`` replaces each block's MLP by a Mixture-of-Experts (``--experts E`` SwiGLU
+experts, token choice, ``--top-k K``); ``--ep N`` splits the experts over N ranks of the
+data-parallel shard dim (expert parallel: tokens dispatched by all-to-all) and shards
+them over the rest of it with a per-parameter mesh (``examples/moe.py``). It combines
+with ``--hsdp``, ``--pp``, ``--ac``, ``--optim muon``, ``--clip``, ``--bf16``, checkpoints
+and ``--impl torch``; not with ``--tp`` in this example.
+
 Checkpointing: ``--ckpt-dir DIR --save-every N`` saves model, optimizer, step and RNG
 with torch.distributed.checkpoint into ``DIR/step-NNNNNN`` (written to a temporary
 directory first and renamed into place, so an interrupted save never damages the latest
@@ -67,6 +75,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from model import ModelArgs, Transformer, TransformerStage, init_weights  # noqa: E402
+from moe import expert_placement_fn, moe_meshes, parallelize_experts, scale_expert_grads  # noqa: E402
 
 # Schedules with two stages per rank, and which of them place them as a V.
 LOOPED = {"Interleaved1F1B", "ZBVZeroBubble"}
@@ -105,6 +114,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--optim", choices=["adamw", "muon"], default="adamw",
                    help="muon: Muon on the blocks' matrices, AdamW on the rest")
     p.add_argument("--clip", type=float, default=0.0, help="clip the gradients' total norm to this (0: off)")
+    p.add_argument("--moe", action="store_true", help="Mixture-of-Experts MLPs (see --experts, --top-k, --ep)")
+    p.add_argument("--experts", type=int, default=4, help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides the data-parallel shard dim)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here and resume from the latest")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (needs --ckpt-dir)")
@@ -131,11 +144,26 @@ def parse_args() -> argparse.Namespace:
     if args.tp > 1 and (args.vocab % args.tp or ffn_hidden_dim(args.dim) % args.tp):
         p.error(f"--tp {args.tp} must divide --vocab ({args.vocab}) and the MLP's hidden size "
                 f"({ffn_hidden_dim(args.dim)} for --dim {args.dim}): tensor parallel splits them evenly")
+    check_moe_args(p, args, world)
     stages = args.pp * (2 if args.pp_schedule in LOOPED else 1)
     if args.pp > 1 and (args.layers % stages or args.batch_size % args.microbatches):
         p.error(f"--pp {args.pp} with {args.pp_schedule} makes {stages} stages: --layers ({args.layers}) must be "
                 f"a multiple of that, and --batch-size ({args.batch_size}) of --microbatches ({args.microbatches})")
     return args
+
+
+def check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    if not args.moe:
+        if args.ep > 1:
+            p.error("--ep needs --moe")
+        return
+    if args.tp > 1:
+        p.error("--moe does not combine with --tp in this example")
+    shard = world // (args.pp * args.hsdp)
+    if args.ep < 1 or args.experts % args.ep or shard % args.ep:
+        p.error(f"--ep {args.ep} must divide --experts ({args.experts}) and the data-parallel shard dim ({shard} ranks)")
+    if not 1 <= args.top_k <= args.experts:
+        p.error(f"--top-k ({args.top_k}) must lie in [1, --experts ({args.experts})]")
 
 
 # Optimizer state keyed by parameter names, not positions: pipeline ranks hold different
@@ -385,23 +413,35 @@ def data_parallel_mesh(args: argparse.Namespace, device: torch.device) -> tuple[
         return init_device_mesh(device.type, tuple(shape), mesh_dim_names=tuple(names)), None, dist.get_rank()
     mesh = init_device_mesh(device.type, (*shape, args.tp), mesh_dim_names=(*names, "tp"))
     dp_mesh = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
-    data_rank = 0
-    for size, index in zip(dp_mesh.shape, dp_mesh.get_coordinate()):
-        data_rank = data_rank * size + index
-    return dp_mesh, mesh["tp"], data_rank
+    return dp_mesh, mesh["tp"], mesh_rank(dp_mesh)
+
+
+def mesh_rank(mesh: Any) -> int:
+    """This rank's position in ``mesh``, its dims flattened in order: the data it trains on."""
+    index = 0
+    for size, coordinate in zip(mesh.shape, mesh.get_coordinate()):
+        index = index * size + coordinate
+    return index
 
 
 def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, device: torch.device) -> Trainer:
     """No pipeline: FSDP over every rank, or HSDP (``--hsdp``), over tensor parallel (``--tp``)."""
-    dp_mesh, tp_mesh, data_rank = data_parallel_mesh(args, device)
+    meshes = moe_meshes(device.type, dist.get_world_size(), 1, args.hsdp, args.ep) if args.moe else None
+    if meshes is not None:
+        dp_mesh, tp_mesh, data_rank = meshes.dense, None, mesh_rank(meshes.dense)
+    else:
+        dp_mesh, tp_mesh, data_rank = data_parallel_mesh(args, device)
     with torch.device("meta" if args.meta_init else device):
         model = Transformer(margs)
     if tp_mesh is not None:
         parallelize_tp(model, tp_mesh)  # before the checkpoint wrappers change the module paths
+    if meshes is not None and meshes.ep is not None:
+        parallelize_experts(model, meshes.ep)
     checkpoint_blocks(model, args.ac)
     compile_blocks(model, args.compile, tensor_parallel=tp_mesh is not None)
     for layer in model.layers:
-        lib.fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+        placement_fn = expert_placement_fn(layer, args.impl, meshes) if meshes is not None else None
+        lib.fully_shard(layer, mesh=dp_mesh, mp_policy=mp, shard_placement_fn=placement_fn)
     lib.fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     if args.meta_init:
         model.to_empty(device=device)
@@ -421,12 +461,20 @@ def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (args.pp, world // args.pp), mesh_dim_names=("pp", "dp"))
+    if args.moe:
+        meshes = moe_meshes(device.type, world, args.pp, 1, args.ep)
+        dp_mesh, pp_mesh = meshes.dense, meshes.pp
+    else:
+        meshes = None
+        mesh = init_device_mesh(device.type, (args.pp, world // args.pp), mesh_dim_names=("pp", "dp"))
+        dp_mesh, pp_mesh = mesh["dp"], mesh["pp"]
     PipelineStage = pipelining.PipelineStage
     if args.impl == "fsdp2":
         from fsdp2.pipelining import PipelineStage  # reduces once per step, keeps the split backward
     with torch.device("meta"):  # each rank materializes its own stages only
         model = Transformer(margs)
+    if meshes is not None and meshes.ep is not None:
+        parallelize_experts(model, meshes.ep)
     checkpoint_blocks(model, args.ac)
     compile_blocks(model, args.compile)
     if args.compile and args.pp_schedule in SPLIT_BACKWARD:
@@ -434,15 +482,16 @@ def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any
         # it may not donate its buffers to itself (torch refuses otherwise, either library).
         torch._functorch.config.donated_buffer = False
     per_rank = 2 if args.pp_schedule in LOOPED else 1
-    count, pp_rank = args.pp * per_rank, mesh["pp"].get_local_rank()
+    count, pp_rank = args.pp * per_rank, pp_mesh.get_local_rank()
     mine = [pp_rank, count - 1 - pp_rank] if args.pp_schedule in V_SHAPED else [pp_rank + k * args.pp for k in range(per_rank)]
     per_stage = args.layers // count
     modules, stages = [], []
     for index in mine:
         module = TransformerStage(model, index * per_stage, (index + 1) * per_stage)
         for layer in module.layers.values():
-            lib.fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
-        lib.fully_shard(module, mesh=mesh["dp"], mp_policy=mp)
+            placement_fn = expert_placement_fn(layer, args.impl, meshes) if meshes is not None else None
+            lib.fully_shard(layer, mesh=dp_mesh, mp_policy=mp, shard_placement_fn=placement_fn)
+        lib.fully_shard(module, mesh=dp_mesh, mp_policy=mp)
         module.to_empty(device=device)
         init_weights(module, args.seed)
         modules.append(module)
@@ -452,7 +501,7 @@ def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any
         inputs, outputs = stage_shapes(args, index, count)
         grads = dict(output_grads=outputs if index < count - 1 else None, input_grads=inputs if index else None)
         stages.append(PipelineStage(module, index, count, device, input_args=inputs, output_args=outputs,
-                                    group=mesh["pp"].get_group(), **grads))
+                                    group=pp_mesh.get_group(), **grads))
     schedule_cls = getattr(pipelining, f"Schedule{args.pp_schedule}")
     schedule = schedule_cls(stages if per_rank > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
     first, last = 0 in mine, count - 1 in mine
@@ -463,7 +512,7 @@ def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any
         schedule.step(*([inputs] if first else []), **kwargs)
         return torch.stack(losses).mean() if losses else None  # mean over micro-batches
 
-    return Trainer(_local_model(modules), train_step, mesh["dp"].get_local_rank(), mesh["pp"])
+    return Trainer(_local_model(modules), train_step, mesh_rank(dp_mesh), pp_mesh)
 
 
 def stage_shapes(args: argparse.Namespace, index: int, count: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
@@ -517,6 +566,7 @@ def main() -> None:
     margs = ModelArgs(
         vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
         hidden_dim=ffn_hidden_dim(args.dim), max_seq_len=args.seq_len,
+        n_experts=args.experts if args.moe else 0, top_k=args.top_k,
     )
     mp = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else lib.MixedPrecisionPolicy()
     build = build_pipeline if args.pp > 1 else build_plain
@@ -526,7 +576,8 @@ def main() -> None:
     if rank == 0:
         print(f"{args.impl}: {n_params / 1e6:.2f}M parameters on rank 0, world size {world}, pp {args.pp}, "
               f"tp {args.tp}, hsdp {args.hsdp}, ac {args.ac}, compile {args.compile}, optim {args.optim}, "
-              f"clip {args.clip}, device {device.type}", flush=True)
+              f"clip {args.clip}, device {device.type}"
+              + (f", moe {args.experts} experts top-{args.top_k} ep {args.ep}" if args.moe else ""), flush=True)
     # Tokens a step trains on, all data-parallel ranks together (a tp group shares its batch).
     step_tokens = args.batch_size * args.seq_len * world // (args.pp * args.tp)
     start_step = 0
@@ -544,6 +595,7 @@ def main() -> None:
         inputs, targets = synthetic_batch(step, data_rank, args, device)
         start = time.perf_counter()
         loss = train_step(inputs, targets)
+        scale_expert_grads(model, args.ep)
         clip_gradients(args, model, pp_mesh)
         for optim in optims:
             optim.step()

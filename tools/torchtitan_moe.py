@@ -27,15 +27,16 @@ import sys
 import traceback
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import spmd_types as spmd
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _comm import CommCounter  # noqa: E402
+from _comm import CommCounter
 
 WORLD, VOCAB, SEQ, LOCAL_BATCH, DIM, TOL = 4, 256, 32, 2, 64, 1e-4
 
@@ -63,17 +64,19 @@ def _triton_kernel(name: str) -> Any:
 _stub_module("torchtitan.distributed.minimal_async_ep.kernels", __getattr__=_triton_kernel)
 _stub_module("torchtitan.trainer", Trainer=type("Trainer", (), {"Config": type("Config", (), {})}))
 
-import fsdp2  # noqa: E402
-import torchtitan.distributed.fsdp as tt_fsdp  # noqa: E402
-import torchtitan.distributed.parallel_dims as tt_parallel_dims  # noqa: E402
-from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
-from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
-from torchtitan.distributed import utils as dist_utils  # noqa: E402
-from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
-from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan.models import deepseek_v3, qwen3  # noqa: E402
-from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm  # noqa: E402
-from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+import fsdp2
+import torchtitan.distributed.fsdp as tt_fsdp
+import torchtitan.distributed.parallel_dims as tt_parallel_dims
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import full_dtensor
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.activation_checkpoint import FullAC
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+from torchtitan.models import deepseek_v3, qwen3
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import ScaledDotProductAttention
 
 tt_parallel_dims.device_type = "cpu"  # torchtitan falls back to "cuda" when no accelerator is found
 
@@ -111,9 +114,13 @@ def deepseek_v3_config(experts: int, layers: int, attn: str) -> deepseek_v3.Deep
     return deepseek_v3.DeepSeekV3Model.Config(
         vocab_size=VOCAB,
         dim=DIM,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=deepseek_v3._EMBEDDING_INIT),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=deepseek_v3._EMBEDDING_INIT
+        ),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=deepseek_v3._NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=deepseek_v3._output_linear_init(DIM)),
+        lm_head=Linear.Config(
+            in_features=DIM, out_features=VOCAB, param_init=deepseek_v3._output_linear_init(DIM)
+        ),
         layers=blocks,
         mtp_layers=[],
     )
@@ -139,7 +146,7 @@ def model_config(args: argparse.Namespace, parallelism: ParallelismConfig) -> An
 class Patched:
     """Binds fsdp2's ``fully_shard``/``FSDPModule`` where torchtitan bound torch's, then restores."""
 
-    TARGETS = {"fully_shard": fsdp2.fully_shard, "FSDPModule": fsdp2.FSDPModule}
+    TARGETS: ClassVar[dict[str, Any]] = {"fully_shard": fsdp2.fully_shard, "FSDPModule": fsdp2.FSDPModule}
 
     def __init__(self, enabled: bool) -> None:
         self.enabled, self.saved = enabled, {name: getattr(tt_fsdp, name) for name in self.TARGETS}
@@ -171,12 +178,26 @@ def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of step ``step``'s global batch: (inputs, labels)."""
-    tokens = torch.randint(VOCAB, (WORLD * LOCAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    tokens = torch.randint(
+        VOCAB, (WORLD * LOCAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step)
+    )
     mine = tokens.chunk(WORLD)[rank]
     return mine[:, :-1], mine[:, 1:]
 
 
-def run(args: argparse.Namespace, lib: str, dims: ParallelDims, full: dict[str, torch.Tensor]) -> list[dict]:
+def prepare(dims: ParallelDims, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[Any, Any, dict]:
+    """The trainer's ``post_dataloading_process`` for the SPMD backend: (inputs, labels, model kwargs)."""
+    kwargs = {"positions": torch.arange(SEQ).expand(LOCAL_BATCH, SEQ)}
+    if dims.spmd_backend == "full_dtensor":
+        return full_dtensor.parallelize_inputs(dims, inputs, labels, kwargs)
+    if dims.spmd_backend == "spmd_types":
+        return annotate_input_spmd_types(dims, inputs, labels, kwargs)
+    return inputs, labels, kwargs
+
+
+def run(
+    args: argparse.Namespace, lib: str, dims: ParallelDims, full: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     """Build, parallelize (torchtitan's function, ``lib``'s fully_shard) and train ``args.steps`` steps."""
     parallelism = ParallelismConfig(
         data_parallel_replicate_degree=dims.dp_replicate, data_parallel_shard_degree=dims.dp_shard,
@@ -204,23 +225,31 @@ def run(args: argparse.Namespace, lib: str, dims: ParallelDims, full: dict[str, 
     model.train()
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=args.foreach)
-    positions = torch.arange(SEQ).expand(LOCAL_BATCH, SEQ)
-    records = []
+    placements = {
+        name: f"{p.device_mesh.mesh_dim_names} {p.placements}" if isinstance(p, DTensor) else "local"
+        for name, p in model.named_parameters()
+    }
+    train_context = dist_utils.get_spmd_context(parallel_dims=dims)
+    records: list[dict] = []
     for step in range(args.steps):
         inputs, labels = batch(step, dist.get_rank())
         tokens = dist_utils.dist_sum_tensor(torch.tensor(labels.numel()), dims.get_mesh("batch"))
-        with CommCounter().active() as counter:
-            loss, _ = loss_fn(model(inputs, positions=positions), labels, tokens)
-            loss.backward()
+        inputs, labels, kwargs = prepare(dims, inputs, labels)
+        with CommCounter().active() as counter, train_context():
+            loss, _ = loss_fn(model(inputs, **kwargs), labels, tokens)
+            with spmd.no_typecheck():
+                loss.backward()
             norm = dist_utils.clip_grad_norm_(
                 list(model.parameters()), max_norm=1e9, foreach=args.foreach, ep_enabled=dims.ep_enabled
             )
             optimizer.step()
             optimizer.zero_grad()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        records.append({"loss": global_loss.item(), "norm": norm.item(), "comm": dict(sorted(counter.calls.items()))})
-    return records
+        global_loss = (loss.to_local() if isinstance(loss, DTensor) else loss).detach().clone()
+        dist.all_reduce(global_loss)  # each rank's loss is its token sum over the global count
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        comm = dict(sorted(counter.calls.items()))
+        records.append({"loss": global_loss.item(), "norm": norm.item(), "comm": comm})
+    return {"placements": placements, "steps": records}
 
 
 def rel(a: float, b: float) -> float:
@@ -228,20 +257,24 @@ def rel(a: float, b: float) -> float:
 
 
 def report(results: dict[str, Any]) -> bool:
-    """Print the per-step table; True when fsdp2 matches torch."""
+    """Print the per-step table (or each run that failed); True when fsdp2 matches torch."""
+    for lib, result in results.items():
+        if isinstance(result, str):
+            print(f"{lib} FAILED:\n{result}")
     torch_run, fsdp2_run = results.get("torch"), results.get("fsdp2")
-    for lib in ("torch", "fsdp2"):
-        if isinstance(results.get(lib), str):
-            print(f"{lib} FAILED:\n{results[lib]}")
-    if not isinstance(torch_run, list) or not isinstance(fsdp2_run, list):
-        for lib, records in results.items():
-            for step, r in enumerate(records if isinstance(records, list) else []):
+    if not isinstance(torch_run, dict) or not isinstance(fsdp2_run, dict):
+        for lib, result in results.items():
+            for step, r in enumerate(result["steps"] if isinstance(result, dict) else []):
                 print(f"{lib} step {step}: loss {r['loss']:.8f} norm {r['norm']:.8f} comm {r['comm']}")
         return not isinstance(fsdp2_run, str)
-    ok = True
+    differ = {n: (p, fsdp2_run["placements"].get(n)) for n, p in torch_run["placements"].items()}
+    differ = {n: pair for n, pair in differ.items() if pair[0] != pair[1]}
+    for name, (theirs, mine) in differ.items():
+        print(f"placement differs: {name}: torch {theirs}, fsdp2 {mine}")
+    ok = not differ and len(torch_run["placements"]) == len(fsdp2_run["placements"])
     print(f"{'step':>4} {'loss torch':>12} {'loss fsdp2':>12} {'rel':>8} {'norm torch':>12} {'norm fsdp2':>12} "
           f"{'rel':>8}  collectives torch | fsdp2")  # fmt: skip
-    for step, (t, f) in enumerate(zip(torch_run, fsdp2_run)):
+    for step, (t, f) in enumerate(zip(torch_run["steps"], fsdp2_run["steps"])):
         dl, dn = rel(t["loss"], f["loss"]), rel(t["norm"], f["norm"])
         more = [k for k in f["comm"] if f["comm"][k] > t["comm"].get(k, 0)]
         ok &= dl <= TOL and dn <= TOL and not more
@@ -282,6 +315,8 @@ def main() -> int:
 
     results: dict[str, Any] = {}
     for lib in ["torch", "fsdp2"] if args.lib == "both" else [args.lib]:
+        if dist.get_rank() == 0:
+            print(f"-- {lib} run", file=sys.stderr, flush=True)  # tells which run a crash hit
         try:
             results[lib] = run(args, lib, dims, full)
         except Exception:  # noqa: BLE001 - reported, and the other library still runs
@@ -293,7 +328,9 @@ def main() -> int:
               f"spmd_backend={args.spmd_backend} experts={args.experts}")  # fmt: skip
         ok = report(results)
         if args.json:
-            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1))
+            args.json.write_text(
+                json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1)
+            )
     flag = torch.tensor(int(ok))
     dist.broadcast(flag, 0)
     dist.destroy_process_group()
