@@ -51,8 +51,8 @@ def resolve_placements(
     default: MeshTarget,
 ) -> list[Placed]:
     """Each parameter's dim and mesh, checked: meshes this rank belongs to, on the default
-    mesh's device type, spanning the same number of ranks as the default mesh's
-    parameters (with their tensor-parallel mesh), and placements the parameter can take."""
+    mesh's device type, spanning (with the parameter's own DTensor mesh) the data-parallel
+    ranks of the default mesh, and placements the parameter can take."""
     targets: dict[Any, MeshTarget] = {}
     placed = []
     for p in params:
@@ -61,7 +61,7 @@ def resolve_placements(
         placed.append(Placed(_dim(p, placement, fqns[p]), target))
     for p, (_, target) in zip(params, placed):
         _check_param_on(p, fqns[p], target)
-    _check_same_span(params, fqns, placed, default)
+    _check_covers_data_parallel(params, fqns, placed, default)
     return placed
 
 
@@ -170,25 +170,23 @@ def _span(p: torch.Tensor, target: MeshTarget) -> int:
     return target.mesh.size() * tp
 
 
-def _check_same_span(
+def _check_covers_data_parallel(
     params: list[torch.Tensor], fqns: dict[torch.Tensor, str], placed: list[Placed], default: MeshTarget
 ) -> None:
-    """A parameter on a mesh of its own spans as many ranks as the call's others: its
-    gradients are then summed over every rank that computed one (experts: the
-    expert-data-parallel mesh times the expert-parallel mesh)."""
-    own = [(p, pl.target) for p, pl in zip(params, placed) if pl.target != default]
-    if not own:
-        return
-    spans = [_span(p, pl.target) for p, pl in zip(params, placed) if pl.target == default]
-    want = max(spans) if spans else _span(torch.empty(0), default)
-    for p, target in own:
-        got = _span(p, target)
-        if got != want:
+    """A parameter on a mesh of its own, with the rest of its DTensor mesh, spans every
+    data-parallel rank of the call's mesh (a multiple of them: tensor-parallel copies
+    compute alike): its gradients are then summed over every rank that computed one
+    (experts: the expert-data-parallel mesh times the expert-parallel mesh)."""
+    want = default.mesh.size()
+    for p, pl in zip(params, placed):
+        got = _span(p, pl.target)
+        if pl.target != default and got % want:
             tp = f" times its DTensor mesh {p.device_mesh}" if isinstance(p, DTensor) else ""
             raise ValueError(
-                f"shard_placement_fn put {fqns[p]} on the mesh {target.describe()}{tp}: {got} ranks, "
-                f"while this fully_shard call's other parameters span {want} (mesh {default.describe()}); its "
-                "gradients would be reduced over other ranks than those that computed them. Give it a mesh "
-                f"that covers {want} ranks with its own DTensor mesh, e.g. for experts over an "
-                "expert-parallel mesh of ep ranks, an expert-data-parallel mesh of world // ep ranks"
+                f"shard_placement_fn put {fqns[p]} on the mesh {pl.target.describe()}{tp}: it would span "
+                f"{got} ranks, not the {want} data-parallel ranks of the mesh fully_shard got "
+                f"({default.describe()}); its gradients would be reduced over fewer ranks than computed them. "
+                f"Give it a mesh that spans {want} ranks with its own DTensor mesh, e.g. for experts split "
+                "over an expert-parallel mesh of ep ranks, an expert-data-parallel mesh of the other "
+                f"{want} // ep"
             )

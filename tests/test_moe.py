@@ -393,7 +393,7 @@ def test_checkpoint_from_ep2_loads_at_ep1_and_at_two_ranks(lib_name: str) -> Non
 
 
 MISUSE = {
-    "span": "span 4",
+    "span": "not the 4 data-parallel ranks",
     "replicate": "Shard(dim)",
     "mesh_3d": "cannot take",
     "not_a_mesh": "not a DeviceMesh",
