@@ -134,7 +134,8 @@ def check(cmd: str) -> str:
         bench = _load(ROOT / "tools" / "bench.py", "docs_bench")
         with mock.patch.object(sys, "argv", words[1:]), mock.patch.object(bench, "bench_speed"), \
                 mock.patch.object(bench, "bench_memory"), mock.patch.object(bench, "bench_optim"), \
-                mock.patch.object(bench, "bench_host"), mock.patch.object(bench, "bench_estimate"):
+                mock.patch.object(bench, "bench_host"), mock.patch.object(bench, "bench_estimate"), \
+                mock.patch.object(bench, "bench_moe"):
             bench.main()
         return "parsed"
     if words[:2] in (["python", "tools/gpu_check.py"], ["python", "tools/gpu_memory.py"]) and "--cpu" not in words:

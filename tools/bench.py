@@ -20,6 +20,9 @@
   each library adds to the plain local step, for the deep model at 8 and 64 ranks and a
   4-block model of 32 experts each at 8 ranks, and 4 blocks of width 1024 at 1,024 ranks
   (every dim divides evenly; the accelerator path's host overhead).
+* moe (gloo at 4 ranks with ep 2, the fake process group at 64 with ep 8): a
+  Mixture-of-Experts with expert parallel and per-parameter meshes, step time,
+  collectives, peak memory and host time against torch's (``tools/bench_moe.py``).
 * estimate: ``python -m fsdp2.estimate`` of rank 0 at world size 4 against a real 4-rank
   gloo run of the example (``--measure``): its tracked live-tensor peak and its peak RSS
   above the process's baseline (the real run takes gloo's own strategies, the estimate
@@ -47,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples"), os.path.join(ROOT, "tools")]
 
 from _comm import CommCounter  # noqa: E402
 from _dist import run_ranks  # noqa: E402
@@ -388,16 +391,26 @@ def bench_estimate() -> None:
           f" (estimate/RSS {est / rss:.3f})")
 
 
+def bench_moe(steps: int, warmup: int) -> None:
+    import bench_moe as moe
+
+    moe.bench_speed(steps, warmup)
+    moe.bench_memory()
+    moe.bench_host(steps)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "host", "estimate", "all"],
+    p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "host", "moe", "estimate", "all"],
                    default="all")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    names = ["deep", "wide", "local", "big", "optim", "host", "estimate"] if args.model == "all" else [args.model]
+    names = ["deep", "wide", "local", "big", "optim", "host", "moe", "estimate"] if args.model == "all" else [args.model]
     for name in names:
-        if name == "estimate":
+        if name == "moe":
+            bench_moe(args.steps, args.warmup)
+        elif name == "estimate":
             bench_estimate()
         elif name == "host":
             bench_host(args.steps)

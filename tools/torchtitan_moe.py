@@ -8,7 +8,11 @@ own config builders; parallelizes it with the model's own ``parallelize_qwen3`` 
 global token count and its ``clip_grad_norm_``; and does it once with torch's ``fully_shard`` and
 once with ``fsdp2.fully_shard`` patched into ``torchtitan.distributed.fsdp``, from the same weights
 and batches. Prints loss, grad norm and c10d collectives per step for both, and exits 1 when a
-relative difference exceeds 1e-4 or fsdp2 issues more collectives of some kind than torch.
+relative difference exceeds 1e-4, a parameter's mesh or placements differ, or fsdp2 issues more
+collectives of some kind than torch. Collectives are those of ``tests/_comm.py`` (the
+``ProcessGroup`` methods FSDP calls); expert parallel's functional all-to-alls are not counted.
+For CPU: torchtitan's causal SDPA module (FlexAttention has no CPU backward), and SUM reductions
+(``set_force_sum_reduction_for_comms``: torch's PREMUL_SUM is missing on gloo) in both runs.
 
     torchrun --standalone --nproc-per-node 4 tools/torchtitan_moe.py --model qwen3 --ep 2
 
@@ -64,7 +68,6 @@ def _triton_kernel(name: str) -> Any:
 _stub_module("torchtitan.distributed.minimal_async_ep.kernels", __getattr__=_triton_kernel)
 _stub_module("torchtitan.trainer", Trainer=type("Trainer", (), {"Config": type("Config", (), {})}))
 
-import fsdp2
 import torchtitan.distributed.fsdp as tt_fsdp
 import torchtitan.distributed.parallel_dims as tt_parallel_dims
 from torchtitan.components.loss import CrossEntropyLoss
@@ -77,6 +80,8 @@ from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 from torchtitan.models import deepseek_v3, qwen3
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
+
+import fsdp2
 
 tt_parallel_dims.device_type = "cpu"  # torchtitan falls back to "cuda" when no accelerator is found
 
