@@ -5,7 +5,10 @@ the routed experts are split over the ``ep`` ranks (``Shard(0)`` DTensors: ``E /
 experts each, tokens dispatched by all-to-all) and sharded by ``fully_shard`` over the
 ``efsdp`` ranks only, through ``shard_placement_fn`` returning a ``ShardPlacementResult``
 with that mesh; every other parameter is sharded over all ``S`` ranks as usual. HSDP
-replicas (``--hsdp``) replicate both; pipeline stages (``--pp``) hold a mesh each.
+replicas (``--hsdp``) replicate both; pipeline stages (``--pp``) hold a mesh each. Under
+tensor parallel (``--tp``) each MoE layer takes its tp group's whole sequence and
+computes it alike on every rank of the group (experts and router replicated over tp:
+expert parallel spreads the experts instead), then hands back the rank's sequence shard.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ class MoEMeshes(NamedTuple):
     experts: DeviceMesh | None  # the experts' fully_shard mesh: (efsdp) or (replicate, efsdp); None without ep
     ep: DeviceMesh | None  # the expert-parallel mesh
     pp: DeviceMesh | None  # the pipeline stages' mesh (--pp)
+    tp: DeviceMesh | None = None  # the tensor-parallel mesh (--tp)
 
 
-def moe_meshes(device_type: str, world: int, pp: int, replicate: int, ep: int) -> MoEMeshes:
-    """The meshes of a ``(pp, replicate, efsdp, ep)`` layout; dims of size 1 left out
+def moe_meshes(device_type: str, world: int, pp: int, replicate: int, ep: int, tp: int = 1) -> MoEMeshes:
+    """The meshes of a ``(pp, replicate, efsdp, ep, tp)`` layout; dims of size 1 left out
     except the data-parallel shard dim."""
-    shard = world // (pp * replicate)
-    dims = [("pp", pp), ("dp_replicate", replicate), ("efsdp", shard // ep), ("ep", ep)]
+    shard = world // (pp * replicate * tp)
+    dims = [("pp", pp), ("dp_replicate", replicate), ("efsdp", shard // ep), ("ep", ep), ("tp", tp)]
     kept = [(n, s) for n, s in dims if s > 1 or n == "efsdp"]
     root = init_device_mesh(device_type, tuple(s for _, s in kept), mesh_dim_names=tuple(n for n, _ in kept))
     names = [n for n, _ in kept]
@@ -42,7 +46,8 @@ def moe_meshes(device_type: str, world: int, pp: int, replicate: int, ep: int) -
     replica = ("dp_replicate",) if "dp_replicate" in names else ()
     dense = root[(*replica, shard_name)] if replica else root[shard_name]
     experts = (root[(*replica, "efsdp")] if replica else root["efsdp"]) if ep > 1 else None
-    return MoEMeshes(dense, experts, root["ep"] if ep > 1 else None, root["pp"] if pp > 1 else None)
+    return MoEMeshes(dense, experts, root["ep"] if ep > 1 else None, root["pp"] if pp > 1 else None,
+                     root["tp"] if tp > 1 else None)
 
 
 def parallelize_experts(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -79,6 +84,19 @@ def expert_placement_fn(block: nn.Module, impl: str, meshes: MoEMeshes) -> Any:
     expert_result = TorchResult(placement, _get_mesh_info(meshes.experts))
     dense_result = TorchResult(Shard(0), _get_mesh_info(meshes.dense))
     return lambda p: expert_result if p in experts else dense_result
+
+
+def moe_tp_plan() -> Any:
+    """The tensor-parallel style of an MoE layer: the sequence-parallel input gathered
+    (a plain tensor: router and experts are not split over tp), the output scattered
+    back to sequence shards."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+    )
 
 
 def scale_expert_grads(model: nn.Module, ep: int) -> None:

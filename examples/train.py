@@ -42,8 +42,9 @@ stages). Both combine with ``--tp``, ``--hsdp``, ``--pp`` and checkpoints.
 experts, token choice, ``--top-k K``); ``--ep N`` splits the experts over N ranks of the
 data-parallel shard dim (expert parallel: tokens dispatched by all-to-all) and shards
 them over the rest of it with a per-parameter mesh (``examples/moe.py``). It combines
-with ``--hsdp``, ``--pp``, ``--ac``, ``--optim muon``, ``--clip``, ``--bf16``, checkpoints
-and ``--impl torch``; not with ``--tp`` in this example.
+with ``--hsdp``, ``--tp`` (the MoE layers compute their tp group's whole sequence, alike
+on each of its ranks), ``--pp``, ``--ac``, ``--optim muon``, ``--clip``, ``--bf16``,
+checkpoints and ``--impl torch``.
 
 Checkpointing: ``--ckpt-dir DIR --save-every N`` saves model, optimizer, step and RNG
 with torch.distributed.checkpoint into ``DIR/step-NNNNNN`` (written to a temporary
@@ -74,8 +75,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model import ModelArgs, Transformer, TransformerStage, init_weights  # noqa: E402
-from moe import expert_placement_fn, moe_meshes, parallelize_experts, scale_expert_grads  # noqa: E402
+from model import MoE, ModelArgs, Transformer, TransformerStage, init_weights  # noqa: E402
+from moe import expert_placement_fn, moe_meshes, moe_tp_plan, parallelize_experts, scale_expert_grads  # noqa: E402
 
 # Schedules with two stages per rank, and which of them place them as a V.
 LOOPED = {"Interleaved1F1B", "ZBVZeroBubble"}
@@ -157,9 +158,7 @@ def check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: 
         if args.ep > 1:
             p.error("--ep needs --moe")
         return
-    if args.tp > 1:
-        p.error("--moe does not combine with --tp in this example")
-    shard = world // (args.pp * args.hsdp)
+    shard = world // (args.pp * args.hsdp * args.tp)
     if args.ep < 1 or args.experts % args.ep or shard % args.ep:
         p.error(f"--ep {args.ep} must divide --experts ({args.experts}) and the data-parallel shard dim ({shard} ranks)")
     if not 1 <= args.top_k <= args.experts:
@@ -387,12 +386,14 @@ def parallelize_tp(model: Transformer, tp_mesh: Any) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            **({"feed_forward": moe_tp_plan()} if isinstance(layer.feed_forward, MoE) else {
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            }),
         })
 
 
@@ -426,9 +427,9 @@ def mesh_rank(mesh: Any) -> int:
 
 def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, device: torch.device) -> Trainer:
     """No pipeline: FSDP over every rank, or HSDP (``--hsdp``), over tensor parallel (``--tp``)."""
-    meshes = moe_meshes(device.type, dist.get_world_size(), 1, args.hsdp, args.ep) if args.moe else None
+    meshes = moe_meshes(device.type, dist.get_world_size(), 1, args.hsdp, args.ep, args.tp) if args.moe else None
     if meshes is not None:
-        dp_mesh, tp_mesh, data_rank = meshes.dense, None, mesh_rank(meshes.dense)
+        dp_mesh, tp_mesh, data_rank = meshes.dense, meshes.tp, mesh_rank(meshes.dense)
     else:
         dp_mesh, tp_mesh, data_rank = data_parallel_mesh(args, device)
     with torch.device("meta" if args.meta_init else device):

@@ -29,7 +29,6 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ._commit import GradCommit
 from ._extension import ExtensionGather
@@ -91,8 +90,6 @@ class FlatBucket:
         self.in_place: InPlace | None = None  # ``gloo.in_place``, where it applies
         self.offload = offload
         self.device = device  # where gathers and reduces run (the shards' too, without offload)
-        # reshard_after_forward=int: (factor, the group over those ranks, this rank's place)
-        self._partial: tuple[int, dist.ProcessGroup, int] | None = None
         self._allocate_sharded(originals, device)
 
     # ------------------------------------------------------------------ storage
@@ -271,24 +268,10 @@ class FlatBucket:
         self._allocate_unsharded()
 
     # --------------------------------------------------------------- all-gather
-    def set_partial_reshard(self, factor: int | None) -> None:
-        """``reshard_after_forward=factor``: keep ``factor``'s share of the gathered rows
-        after forward and gather the rest back over ``factor`` ranks; a factor that is
-        this mesh's shard size reshards fully (per-parameter meshes of other sizes)."""
-        if factor is None or factor >= self.comm.shard_size:
-            self._partial = None
-        else:
-            self._partial = (factor, *self.comm.partial_group(factor))
-
-    @property
-    def partial_group(self) -> dist.ProcessGroup | None:
-        """The group the backward all-gather runs over after a partial reshard."""
-        return self._partial[1] if self._partial is not None else None
-
     def start_all_gather(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
         """Phase 1 of unshard (``BucketGather.start``), from the rows kept after forward
         when ``from_partial``."""
-        self.gather.start(self.partial_group if from_partial else None, after)
+        self.gather.start(from_partial, after)
 
     def finish_all_gather(self) -> None:
         """Phase 2 of unshard (``BucketGather.finish``)."""
@@ -307,11 +290,10 @@ class FlatBucket:
         rows, so the backward all-gather runs over ``factor`` ranks only. (All-gather
         extensions gather whole, and a factor of the whole shard group means all: those
         buckets reshard fully.)"""
-        if self.extension or self._partial is None:
+        if self.extension or self.gather.target is None:
             self.reshard()
             return
-        factor, _, index = self._partial
-        keep = self.gather.kept_rows(factor, index)
+        keep = self.gather.kept_rows()
         self.free_unsharded()
         self.gather.partial = keep
 

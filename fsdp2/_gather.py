@@ -12,7 +12,7 @@ extension gather through ``_extension.ExtensionGather`` instead.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,15 @@ from ._collectives import Pending, all_gather_flat, debug_enabled, traced, wait_
 
 if TYPE_CHECKING:
     from ._bucket_view import BucketView
+
+
+class PartialTarget(NamedTuple):
+    """``reshard_after_forward=factor``: after forward keep the rows of ``factor`` ranks,
+    and gather the rest back in backward over those ranks only."""
+
+    factor: int
+    group: dist.ProcessGroup  # the ``factor`` consecutive shard ranks this rank belongs to
+    index: int  # which block of ``factor`` ranks that is
 
 
 class BucketGather:
@@ -34,15 +43,32 @@ class BucketGather:
         self.input: torch.Tensor | None = None  # kept alive until the gather is waited
         self._issue: torch.futures.Future | None = None  # a deferred in-place gather
         self.partial: torch.Tensor | None = None  # rows kept after forward (integer reshard)
+        self.target: PartialTarget | None = None  # where an integer reshard keeps rows
+
+    def set_partial_target(self, factor: int | None) -> None:
+        """``reshard_after_forward=factor`` from now on (``None``: ``True``/``False``). A
+        factor equal to this mesh's shard size frees every row (per-parameter meshes of
+        other sizes share one value). Rows kept for another factor are dropped: the next
+        gather reads the whole shards."""
+        world = self.bucket.comm.shard_size
+        if factor is not None and world % factor:
+            raise AssertionError(f"fsdp2 internal error: reshard factor {factor} does not divide {world}")
+        target = None if factor is None or factor == world else PartialTarget(factor, *self.bucket.comm.partial_group(factor))
+        if target != self.target:
+            self.partial = None
+        self.target = target
 
     def in_flight(self) -> bool:
         """A collective still writes the unsharded storage (or a deferred one will)."""
         ext = self.bucket.extension_gather
         return self._pending is not None or self._issue is not None or (ext is not None and ext.in_flight)
 
-    def kept_rows(self, factor: int, index: int) -> torch.Tensor:
-        """A copy of the gathered rows of ranks ``[index*W/factor, (index+1)*W/factor)``."""
+    def kept_rows(self) -> torch.Tensor:
+        """A copy of the gathered rows of ranks ``[index*W/factor, (index+1)*W/factor)``
+        (``self.target``)."""
         b = self.bucket
+        assert self.target is not None, "fsdp2 internal error: kept rows without a partial target"
+        factor, _, index = self.target
         rows = b.comm.shard_size // factor
         keep = torch.empty(rows * b.shard_numel, dtype=b.compute_dtype, device=b.device)
         if b.shard_numel:
@@ -53,7 +79,7 @@ class BucketGather:
             )
         return keep
 
-    def start(self, partial_group: dist.ProcessGroup | None, after: torch.futures.Future | None = None) -> None:
+    def start(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
         """Phase 1 of unshard: issue the all-gather (from the partial shard if kept). In
         place, with ``after`` (a reduce in storage still in flight), it is issued only once
         that reduce completed and freed its storage, so the two never hold memory at once."""
@@ -64,8 +90,8 @@ class BucketGather:
         if b.extension_gather is not None:
             b.extension_gather.start(comm.shard_group, b.mp_policy, b.custom_all_gather)
             return
-        if partial_group is not None and self.partial is not None:
-            source, group = self.partial, partial_group
+        if from_partial and self.target is not None and self.partial is not None:
+            source, group = self.partial, self.target.group
         else:
             source, group = b.sharded_flat[: b.shard_numel], comm.shard_group
             if b.in_place is not None and b.in_place.gathers and b.custom_all_gather is None:

@@ -138,7 +138,7 @@ class ParamGroup:
         self.reshard_after_forward = True if value is None else value
         factor = value if isinstance(value, int) and not isinstance(value, bool) else None
         for b in self.buckets:
-            b.set_partial_reshard(factor)
+            b.gather.set_partial_target(factor)
 
     def set_name(self, name: str) -> None:
         """Name used in messages: the module's FQN under the root, once known."""

@@ -37,10 +37,11 @@ class CommKnobs:
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
         group = self._fsdp2_state.group
         _check_one_mesh("set_all_reduce_hook", group, "hook")
+        mesh = group.meshes[0]  # the one its parameters use (maybe not the call's own)
         if stream is not None:
-            if group.comm.is_hsdp:
+            if mesh.is_hsdp:
                 raise ValueError("set_all_reduce_hook(stream=...) cannot be set with native HSDP (a 2D mesh)")
-            if group.comm.device_type == "cpu":
+            if mesh.device_type == "cpu":
                 raise ValueError("set_all_reduce_hook(stream=...): streams exist on accelerators only; pass None on CPU")
         for b in group.buckets:
             b.reduce.hook = hook
@@ -125,7 +126,7 @@ def check_bool(method: str, value: Any) -> None:
         raise TypeError(f"{method} expects a bool, got {type(value).__name__} {value!r}")
 
 
-def _check_one_mesh(method: str, group: Any, what: str) -> None:
+def _check_one_mesh(method: str, group: Any, what: str) -> None:  # group: _group.ParamGroup
     """torch refuses these knobs on a module whose parameters live on several meshes
     (per-parameter meshes): one hook or collective would serve different process groups."""
     meshes = group.meshes

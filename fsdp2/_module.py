@@ -140,8 +140,9 @@ class FSDPModule(CommKnobs):
             raise ValueError("set_reshard_after_forward expects a bool or an int, got None")
         groups = self._target_groups(recurse)
         # Checked against every group's meshes before anything changes.
-        sizes = [tuple(m.shard_size for m in g.meshes) for g in groups]
-        values = [reshard_after_forward_value(reshard_after_forward, s) for s in sizes]
+        values = []
+        for g in groups:  # a loop, not a comprehension: warnings point at the caller (stacklevel)
+            values.append(reshard_after_forward_value(reshard_after_forward, tuple(m.shard_size for m in g.meshes)))
         for g, value in zip(groups, values):
             g.set_reshard_after_forward(value)
 

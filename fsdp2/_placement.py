@@ -89,15 +89,31 @@ def _target_key(result: Any, fqn: str) -> tuple[DeviceMesh, DataParallelMeshDims
     """(mesh, dp_mesh_dims) a result names, or None for the call's own mesh."""
     info = getattr(result, "mesh_info", None)
     if info is None:  # fsdp2's ShardPlacementResult
-        mesh = getattr(result, "mesh", None)
+        mesh, dims = getattr(result, "mesh", None), getattr(result, "dp_mesh_dims", None)
         if mesh is None:
+            if dims is not None:
+                raise ValueError(
+                    f"shard_placement_fn returned dp_mesh_dims={dims!r} without a mesh for {fqn}; pass the "
+                    "full SPMD mesh those dims name: ShardPlacementResult(placement, mesh, dp_mesh_dims)"
+                )
             return None
-        dims = getattr(result, "dp_mesh_dims", None)
-        return (_checked_mesh(mesh, fqn), validate_dp_mesh_dims(dims, mesh) if dims is not None else None)
-    # torch's FSDPMeshInfo / HSDPMeshInfo: a data-parallel mesh and which of its dims
-    # shard and replicate, or the full SPMD mesh and its data-parallel dims.
+        if not isinstance(mesh, DeviceMesh) and hasattr(mesh, "shard_mesh_dim"):
+            info = mesh  # torch's FSDPMeshInfo given where fsdp2 takes a mesh
+        else:
+            return (_checked_mesh(mesh, fqn), validate_dp_mesh_dims(dims, mesh) if dims is not None else None)
+    return _mesh_info_key(info, fqn)
+
+
+def _mesh_info_key(info: Any, fqn: str) -> tuple[DeviceMesh, DataParallelMeshDims | None]:
+    """torch's FSDPMeshInfo / HSDPMeshInfo, by its fields: a data-parallel mesh and which
+    of its dims shard and replicate, or the full SPMD mesh and its data-parallel dims."""
     dims, full = getattr(info, "dp_mesh_dims", None), getattr(info, "spmd_mesh", None)
-    if dims is not None and full is not None:
+    if dims is not None:
+        if full is None:
+            raise ValueError(
+                f"shard_placement_fn returned a mesh info for {fqn} with dp_mesh_dims={dims!r} but no "
+                "spmd_mesh (the full mesh those dims name); build it with torch's _get_mesh_info(mesh, dims)"
+            )
         return (_checked_mesh(full, fqn), validate_dp_mesh_dims(dims, full))
     mesh = _checked_mesh(getattr(info, "mesh", None), fqn)
     shard_dim, replicate_dim = getattr(info, "shard_mesh_dim", None), getattr(info, "replicate_mesh_dim", None)
@@ -121,6 +137,11 @@ def _make_target(key: tuple[DeviceMesh, DataParallelMeshDims | None], fqn: str, 
     spmd = None
     if dims is not None:
         mesh, spmd = SpmdDims.split(mesh, dims)
+    if mesh.device_type != "meta" and mesh.get_coordinate() is None:
+        raise ValueError(
+            f"shard_placement_fn returned a mesh for {fqn} that this rank is not part of ({mesh}); every "
+            "rank that runs fully_shard on the module needs its parameters' meshes"
+        )
     try:
         validate_mesh(mesh)
     except (TypeError, ValueError) as e:
@@ -184,9 +205,9 @@ def _check_covers_data_parallel(
             tp = f" times its DTensor mesh {p.device_mesh}" if isinstance(p, DTensor) else ""
             raise ValueError(
                 f"shard_placement_fn put {fqns[p]} on the mesh {pl.target.describe()}{tp}: it would span "
-                f"{got} ranks, not the {want} data-parallel ranks of the mesh fully_shard got "
-                f"({default.describe()}); its gradients would be reduced over fewer ranks than computed them. "
-                f"Give it a mesh that spans {want} ranks with its own DTensor mesh, e.g. for experts split "
-                "over an expert-parallel mesh of ep ranks, an expert-data-parallel mesh of the other "
-                f"{want} // ep"
+                f"{got} ranks, not a multiple of the {want} data-parallel ranks of the mesh fully_shard got "
+                f"({default.describe()}), so its gradients would not be reduced over exactly the ranks that "
+                f"computed them. Give it a mesh that spans {want} ranks with its own DTensor mesh (e.g. for "
+                f"experts split over ep ranks, an expert-data-parallel mesh of {want} // ep ranks). torch's "
+                "fully_shard does not check this"
             )

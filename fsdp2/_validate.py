@@ -64,10 +64,13 @@ def validate_mesh(mesh: Any) -> None:
         raise ValueError("this rank is not part of the mesh passed to fully_shard")
 
 
-def reshard_after_forward_value(value: Any, sizes: tuple[int, ...]) -> bool | int | None:
+def reshard_after_forward_value(
+    value: Any, sizes: tuple[int, ...], used: tuple[int, ...] | None = None
+) -> bool | int | None:
     """``value`` checked against the shard sizes of the group's meshes (one, or one per
     mesh with per-parameter meshes), an int that means a bool turned into it: 1 (keep
-    all of them, reshard to one rank's worth) is ``False`` and the shard size is ``True``."""
+    all of them, reshard to one rank's worth) is ``False`` and the shard size of every
+    mesh in ``used`` (default: ``sizes``) is ``True``."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
@@ -86,7 +89,7 @@ def reshard_after_forward_value(value: Any, sizes: tuple[int, ...]) -> bool | in
             stacklevel=3,
         )
         return False
-    return True if all(value == world for world in sizes) else value
+    return True if all(value == world for world in (used or sizes)) else value
 
 
 def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,6 @@ class ShardPlacementResult:
     ``FSDPMeshInfo``/``HSDPMeshInfo``) is accepted too, read by its fields.
     """
 
-    placement: Any = None
-    mesh: Any = None
+    placement: Shard | None = None
+    mesh: DeviceMesh | None = None  # torch's FSDPMeshInfo is taken here too
     dp_mesh_dims: DataParallelMeshDims | None = None

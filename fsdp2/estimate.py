@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from ._memory import CATEGORIES, MemoryTracker
+from ._symmetric import symmetric_collectives
 
 
 class _Done(BaseException):
@@ -216,11 +216,8 @@ def fake_distributed(rank: int, world: int, local_world: int) -> Callable[[], No
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     saved_env = dict(os.environ)
-    from torch.distributed import _functional_collectives as funcol
-
     saved = (dist.init_process_group, getattr(PipelineStage, "_warmup_backward_result", None),
-             torch.cuda.is_available, torch.cuda.device_count, dist.all_to_all_single,
-             funcol.all_to_all_single, funcol.all_to_all_single_autograd)
+             torch.cuda.is_available, torch.cuda.device_count)
     # Hidden twice: the variable for what starts CUDA later, the functions for a process
     # whose CUDA runtime already counted its devices (it reads the variable only once).
     torch.cuda.is_available = lambda: False  # type: ignore[assignment]
@@ -239,110 +236,28 @@ def fake_distributed(rank: int, world: int, local_world: int) -> Callable[[], No
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         original("fake", store=FakeStore(), rank=rank, world_size=world)
 
-    undo_collectives = _symmetric_fsdp_collectives()
-
     def undo() -> None:
-        undo_collectives()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved_env)
-        dist.init_process_group = distributed_c10d.init_process_group = saved[0]  # type: ignore[assignment]
-        dist.all_to_all_single = distributed_c10d.all_to_all_single = saved[4]  # type: ignore[assignment]
-        funcol.all_to_all_single, funcol.all_to_all_single_autograd = saved[5], saved[6]
-        torch.cuda.is_available, torch.cuda.device_count = saved[2], saved[3]  # type: ignore[assignment]
-        if saved[1] is not None:
-            PipelineStage._warmup_backward_result = saved[1]  # type: ignore[method-assign]
+        """Every patch restored first, whatever tearing the process group down raises."""
+        try:
+            undo_collectives()
+            os.environ.clear()
+            os.environ.update(saved_env)
+            dist.init_process_group = distributed_c10d.init_process_group = saved[0]  # type: ignore[assignment]
+            torch.cuda.is_available, torch.cuda.device_count = saved[2], saved[3]  # type: ignore[assignment]
+            if saved[1] is not None:
+                PipelineStage._warmup_backward_result = saved[1]  # type: ignore[method-assign]
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     dist.init_process_group = distributed_c10d.init_process_group = init_process_group  # type: ignore[assignment]
-    dist.all_to_all_single = distributed_c10d.all_to_all_single = _symmetric_all_to_all(saved[4])  # type: ignore[assignment]
-    funcol.all_to_all_single = funcol.all_to_all_single_autograd = _functional_all_to_all  # type: ignore[assignment]
+    undo_collectives = symmetric_collectives()
     try:
         _static_pipeline_stages()
     except BaseException:
         undo()
         raise
     return undo
-
-
-def _symmetric_fsdp_collectives() -> Callable[[], None]:
-    """fsdp2's all-gather and reduce-scatter as if every rank held what this one does: the
-    gathered parameters are this rank's shard's values (rotated differently per rank, so
-    rows such as a router's differ), the reduced gradient ``W`` times this rank's own row. The fake process group delivers nothing, so gathered parameters
-    would hold whatever memory held: a router reading such weights sends every token to
-    the same experts (Mixture-of-Experts under expert parallel), unlike the real job.
-    Returns what undoes this."""
-    from . import _gather, _reduce
-
-    gather, reduce = _gather.all_gather_flat, _reduce.reduce_scatter_flat
-
-    def all_gather_flat(shard: torch.Tensor, output: torch.Tensor, group: Any, label: str) -> Any:
-        pending = gather(shard, output, group, label)
-        n = shard.numel()
-        if n and output.numel() > n:
-            flat = shard.reshape(-1)
-            with torch.no_grad():  # row r: the values rotated by r * 7919 (no temporary: the tracker counts those)
-                for r, row in enumerate(output.view(-1, n)):
-                    k = r * 7919 % n
-                    row[: n - k].copy_(flat[k:])
-                    row[n - k :].copy_(flat[:k])
-        return pending
-
-    def reduce_scatter_flat(input2d: torch.Tensor, group: Any, rank: int, method: str, scratch: Any, label: str) -> Any:
-        pending = reduce(input2d, group, rank, method, scratch, label)
-        if pending.result is not input2d[rank] and input2d.shape[0] > 1:
-            with torch.no_grad():
-                pending.result.copy_(input2d[rank]).mul_(input2d.shape[0])
-        return pending
-
-    _gather.all_gather_flat, _reduce.reduce_scatter_flat = all_gather_flat, reduce_scatter_flat
-
-    def undo() -> None:
-        _gather.all_gather_flat, _reduce.reduce_scatter_flat = gather, reduce
-
-    return undo
-
-
-def _symmetric_all_to_all(original: Callable) -> Callable:
-    """``dist.all_to_all_single`` as if every rank sent what this one does (``_as_if_symmetric``)."""
-
-    def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
-                          input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
-        work = original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-        with torch.no_grad():
-            output.copy_(_as_if_symmetric(input, output_split_sizes, input_split_sizes, group, output.shape[0]))
-        return work
-
-    return all_to_all_single
-
-
-def _functional_all_to_all(input: torch.Tensor, output_split_sizes: Any, input_split_sizes: Any, group: Any,
-                           tag: str = "") -> torch.Tensor:
-    """``_functional_collectives.all_to_all_single(_autograd)`` on this rank alone
-    (``_as_if_symmetric``), differentiable: its output allocated as the real one's."""
-    rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
-    return _as_if_symmetric(input, output_split_sizes, input_split_sizes, group, rows)
-
-
-def _as_if_symmetric(input: torch.Tensor, output_split_sizes: Any, input_split_sizes: Any, group: Any,
-                     rows: int) -> torch.Tensor:
-    """What an all-to-all delivers if every rank sends what this one does: from each peer,
-    the chunk this rank sends itself. The fake process group delivers nothing, and a
-    script that routes by the data received (Mixture-of-Experts token dispatch: counts
-    per expert, then the tokens) needs values; this gives routing as balanced as this
-    rank's own."""
-    if isinstance(group, DeviceMesh):
-        group = group.get_group()
-    n, me = dist.get_world_size(group), dist.get_rank(group)
-    own = input.split(list(input_split_sizes) if input_split_sizes else input.shape[0] // n)[me]
-    sizes = list(output_split_sizes) if output_split_sizes else [rows // n] * n
-    pieces = []
-    for size in sizes:
-        piece = own[:size]
-        if piece.shape[0] < size:  # pad: the real peers would send more
-            piece = torch.cat([piece, own.new_zeros(size - piece.shape[0], *own.shape[1:])])
-        pieces.append(piece)
-    return torch.cat(pieces) if pieces else input.new_empty(0, *input.shape[1:])
 
 
 def _static_pipeline_stages() -> None:

@@ -109,7 +109,12 @@ def fully_shard(
     default = MeshTarget(mesh, spmd)
     placed = resolve_placements(params, fqns, shard_placement_fn, default)
     targets = list(dict.fromkeys([default, *(pl.target for pl in placed)]))
-    reshard_after_forward = reshard_after_forward_value(reshard_after_forward, tuple(t.shard_size for t in targets))
+    used = list(dict.fromkeys(pl.target for pl in placed)) or [default]
+    # Checked against every mesh, the call's own too (as torch); an int equal to the shard
+    # size of every mesh in use means True (``ParamGroup.meshes`` decides alike later).
+    reshard_after_forward = reshard_after_forward_value(
+        reshard_after_forward, tuple(t.shard_size for t in targets), tuple(t.shard_size for t in used)
+    )
 
     device = mesh_device(mesh)
     infos = {t: MeshInfo.from_mesh(t.mesh, t.spmd) for t in targets}

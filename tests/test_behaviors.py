@@ -366,7 +366,7 @@ def _reinit_worker(rank: int, world: int, port: int) -> list:
         loss.backward()
         losses.append(loss.item())
         group = model.blocks[0]._fsdp2_state.group
-        made = [group.buckets[0].partial_group] + [b.in_place.gather_group for b in group.buckets]
+        made = [group.buckets[0].gather.target.group] + [b.in_place.gather_group for b in group.buckets]
         known = []
         for pg in made:  # torch.distributed knows (registered) every group fsdp2 uses
             try:

@@ -116,7 +116,7 @@ def _install() -> None:
     start = bucket_module.FlatBucket.start_all_gather
 
     def noted_start(self: Any, from_partial: bool, after: Any = None) -> None:
-        if from_partial and self.partial_group is not None and self.gather.partial is not None:
+        if from_partial and self.gather.target is not None and self.gather.partial is not None:
             _CURRENT[0].from_partial += 1
         start(self, from_partial, after)
 
@@ -151,6 +151,7 @@ def _lib(name: str) -> Any:
 def _themes(rank: int, world: int, lib_name: str, path: str) -> dict[str, Any]:
     import test_activation_checkpointing as ac
     import test_mixed_precision as mp
+    import test_moe as moe
     import test_nd_meshes as nd
     import test_state_dict as sd
     import test_tensor_parallel as tp
@@ -167,6 +168,8 @@ def _themes(rank: int, world: int, lib_name: str, path: str) -> dict[str, Any]:
         out["hsdp"] = nd._run(nd.CONFIGS["hsdp"], lib, rank, mine)["worst"]
         out["dp_tp"] = tp._run(tp.CONFIGS["dp_tp"], lib)["worst"]
         out["ac"] = ac._parity("wrapper", lib, rank, world)  # relative to its tolerance (<= 1)
+        for name in ("ep2", "ep2_raf2"):  # per-parameter meshes: experts on a mesh of their own
+            out[f"moe_{name}"] = moe._run(moe.CONFIGS[name], lib, rank)["worst"]
         if mine:  # the mixed precision and checkpoint scripts import fsdp2 themselves
             out["bf16"] = worst(list(mp._worker(rank, world, "fsdp2", 1)["errors"].values()))
             saved = sd._dcp_worker(rank, world, path, "save")

@@ -34,12 +34,13 @@ MUON = ["--optim", "muon", "--clip", "0.5"]
 MUON_RUNS = {"tp 2, hsdp 2": (4, [*MUON, "--tp", "2", "--hsdp", "2"]), "pp 2": (4, [*MUON, "--pp", "2", "--microbatches", "2"])}
 CHECKPOINTED = ["--ckpt-dir", "CKPT", "--save-every", "2"]  # resumed, and restarted under --max-restarts=1
 MOE = ["--moe", "--ep", "2"]
-# name -> (ranks, flags), each against the 4-rank --moe --ep 2 run (the pipeline one
-# against the same flags on 2 ranks: a pp 2 run trains on world/2 ranks' data).
+# name -> (ranks, flags), each against the 4-rank --moe --ep 2 run (the pipeline and
+# tensor-parallel ones against the same flags on 2 ranks: they train on world/2 ranks' data).
 MOE_RUNS: dict[str, tuple[int, list[str]]] = {
     "impl torch": (4, [*MOE, "--impl", "torch"]),
     "hsdp 2, ac full, bf16": (4, [*MOE, "--hsdp", "2", "--ac", "full", "--bf16"]),
     "pp 2, muon, clip": (4, [*MOE, "--pp", "2", "--microbatches", "2", *MUON]),
+    "tp 2, muon, clip": (4, [*MOE, "--tp", "2", *MUON]),
     "muon, clip": (2, [*MOE, *MUON]),
 }
 
@@ -186,8 +187,8 @@ def test_muon_and_clipping_across_layouts_and_a_restart(tmp_path) -> None:  # no
 def test_moe_with_expert_parallel_trains_alike_in_every_layout_and_resumes(tmp_path) -> None:  # noqa: ANN001
     """``--moe --ep 2`` (experts split over 2 ranks, sharded over the rest with a
     per-parameter mesh) on 4 ranks: torch's ``fully_shard`` prints the same losses, and so
-    does HSDP with activation checkpointing (within bf16's rounding); the pipeline run
-    with Muon and clipping prints the 2-rank run's; a rank killed at step 3 resumes from
+    does HSDP with activation checkpointing (within bf16's rounding); the pipeline and
+    tensor-parallel runs with Muon and clipping print the 2-rank run's; a rank killed at step 3 resumes from
     the step-1 checkpoint and ends with the uninterrupted run's parameters, bit for bit."""
     clean, crashed, ckpt = (str(tmp_path / n) for n in ("clean.pt", "crashed.pt", "ckpt"))
     want = _losses(_torchrun(*FLAG_RUN, *MOE, "--steps", "5", "--final-params", clean, nproc=4))
@@ -196,10 +197,12 @@ def test_moe_with_expert_parallel_trains_alike_in_every_layout_and_resumes(tmp_p
         assert len(runs[name]) == 12, (name, runs[name])  # 4 data ranks, 3 steps
         for key, loss in runs[name].items():
             assert abs(want[key] - loss) < tolerance, (name, key, loss, want[key])
-    pipeline, plain = runs["pp 2, muon, clip"], runs["muon, clip"]
-    assert pipeline.keys() == plain.keys() and len(plain) == 6, (pipeline, plain)
-    for key, loss in plain.items():
-        assert abs(pipeline[key] - loss) < 5e-4, (key, pipeline[key], loss)
+    plain = runs["muon, clip"]
+    assert len(plain) == 6, plain
+    for name in ("pp 2, muon, clip", "tp 2, muon, clip"):
+        assert runs[name].keys() == plain.keys(), (name, runs[name])
+        for key, loss in plain.items():
+            assert abs(runs[name][key] - loss) < 5e-4, (name, key, runs[name][key], loss)
     log = _torchrun(
         *FLAG_RUN, *MOE, "--steps", "5", "--ckpt-dir", ckpt, "--save-every", "2", "--final-params", crashed,
         env={"FSDP2_EXAMPLE_FAIL_AT": "3"}, restarts=1, nproc=4,
