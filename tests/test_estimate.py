@@ -3,7 +3,8 @@
 * Accuracy: the estimate of rank 0 at world size 4 (the command itself, as the README
   shows it) equals the peak of live tensor bytes that rank 0 allocates in a real 4-rank
   gloo run of the same script, tracked the same way (``fsdp2.estimate.Session``), within
-  5%: 1-D, FSDP over TP and a pipeline schedule. The real run takes the accelerator's
+  5%: 1-D, FSDP over TP and a pipeline schedule; within 10% with expert parallel (the
+  routed tokens differ). The real run takes the accelerator's
   collectives (what the estimate models) rather than gloo's own strategies.
 * The split, by construction: sharded parameters = the padded shards of the example's
   model at that world size; AdamW's state = two such shards (plus step counters).
@@ -55,12 +56,23 @@ def _pair(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return _estimate_cli(4, args), run_ranks(_real, 4, args)[0]
 
 
+# Expert parallel: the tokens a rank's experts receive depend on every rank's routing,
+# which the estimate takes to be this rank's own (``fsdp2._symmetric``); on this small
+# model they are ~70% of the peak, so the estimate lands within 10% (everything else equal).
+TOLERANCE = {"moe": 0.10}
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_estimate_matches_a_real_run(name: str) -> None:
     estimated, real = _pair(name)
     assert len(estimated["steps"]) == len(real) == 2, (estimated["steps"], real)
     for est, got in zip(estimated["steps"], real):
-        assert abs(est["peak"] - got["peak"]) <= 0.05 * got["peak"], (name, est["peak"], got["peak"])
+        tolerance = TOLERANCE.get(name, 0.05)
+        assert abs(est["peak"] - got["peak"]) <= tolerance * got["peak"], (name, est["peak"], got["peak"])
+        if name == "moe":  # only the routed activations differ
+            assert {k: v for k, v in est["split"].items() if k != "activations"} == {
+                k: v for k, v in got["split"].items() if k != "activations"
+            }, (est["split"], got["split"])
 
 
 def test_split_by_construction() -> None:
