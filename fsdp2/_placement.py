@@ -137,13 +137,8 @@ def _make_target(key: tuple[DeviceMesh, DataParallelMeshDims | None], fqn: str, 
     spmd = None
     if dims is not None:
         mesh, spmd = SpmdDims.split(mesh, dims)
-    if mesh.device_type != "meta" and mesh.get_coordinate() is None:
-        raise ValueError(
-            f"shard_placement_fn returned a mesh for {fqn} that this rank is not part of ({mesh}); every "
-            "rank that runs fully_shard on the module needs its parameters' meshes"
-        )
     try:
-        validate_mesh(mesh)
+        validate_mesh(mesh, f"the mesh shard_placement_fn returned for {fqn}")
     except (TypeError, ValueError) as e:
         raise ValueError(f"shard_placement_fn returned a mesh for {fqn} that fully_shard cannot take: {e}") from None
     if mesh.device_type != default.mesh.device_type:

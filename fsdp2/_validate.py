@@ -44,7 +44,8 @@ def validate_modules(module: Any) -> list[nn.Module]:
     return modules
 
 
-def validate_mesh(mesh: Any) -> None:
+def validate_mesh(mesh: Any, what: str = "the mesh passed to fully_shard") -> None:
+    """``mesh`` is one fully_shard can shard over; ``what`` names it in the messages."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
@@ -61,7 +62,7 @@ def validate_mesh(mesh: Any) -> None:
                 "here; build the mesh with init_device_mesh('cpu', ...) for gloo"
             )
     if mesh.device_type != "meta" and mesh.get_coordinate() is None:
-        raise ValueError("this rank is not part of the mesh passed to fully_shard")
+        raise ValueError(f"this rank is not part of {what} ({mesh})")
 
 
 def reshard_after_forward_value(
