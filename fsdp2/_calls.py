@@ -126,13 +126,23 @@ class _Settle(torch.autograd.Function):
     """Identity on values: an ``AsyncCollectiveTensor`` in, its waited plain tensor out (a
     new tensor, not a view made inside this node, so the block may modify it in place)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, t: AsyncCollectiveTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(t: AsyncCollectiveTensor) -> torch.Tensor:  # type: ignore[override]
         return t.trigger_wait().detach()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        pass
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor) -> torch.Tensor:
+        return tangent
 
 
 def _node_freed(calls: BackwardCalls, count: list) -> None:
@@ -150,15 +160,25 @@ class _PostBackward(torch.autograd.Function):
     the leaves and nothing of the call reads the parameters any more.
     """
 
+    # The node only counts, it computes nothing: forward-mode AD and the functorch
+    # transforms (``torch.func.jvp``, ``hessian``, ``vmap``) pass through it as through
+    # an identity (``setup_context`` and ``jvp`` let them; the tangents are returned as
+    # views, as the outputs are their inputs as-is).
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, group: CountedGroup, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+    def forward(group: CountedGroup, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+        return inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        group = inputs[0]
         ctx.group = group
         ctx.set_materialize_grads(False)
         # [still counted, generation]; cleared when backward runs, else the finalizer
         # tells the group when the graph is freed without a backward.
         ctx.count = [True, group.calls.generation]
         weakref.finalize(ctx, _node_freed, group.calls, ctx.count)
-        return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
@@ -166,3 +186,7 @@ class _PostBackward(torch.autograd.Function):
         ctx.count[0] = False
         ctx.group.post_backward_node(counted)
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, group_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
+        return tuple(t if t is None else t.view_as(t) for t in tangents)

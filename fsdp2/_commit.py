@@ -39,17 +39,21 @@ class GradCommit:
             layout, grads = ready[0][:2]
             if len(layout.params) == len(b.params):  # every parameter, at its shard offset
                 flat = grads
+        given: list[FSDPParam] = []
         for layout, grads, used_flags, scalar_vals in ready:
             used = used_flags.tolist()  # flags follow layout.params, then layout.scalars
             for flag, p, off in zip(used, layout.params, layout.offsets):
                 if flag > 0:
                     _accumulate_grad(p, grads[off : off + p.layout.local_numel].view(p.local_shape))
+                    given.append(p)
             for flag, p, value in zip(used[len(layout.params) :], layout.scalars, scalar_vals):
                 if flag > 0:
                     _accumulate_grad(p, value.view(()))
+                    given.append(p)
         ready.clear()
         if flat is not None:
             self._remember(flat)
+        run_post_accumulate_hooks(given)
 
     def commit_direct(self, divide_factor: float, backward_ran: bool) -> None:
         """Direct mode: move the leaves' accumulated gradients into ``.grad``. When every
@@ -74,13 +78,17 @@ class GradCommit:
                 local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
                 p.sharded.grad = p.grad_dtensor(local)  # type: ignore[union-attr]
             self._remember(flat)
+            run_post_accumulate_hooks(params)
             return
+        given = []
         for p in params:
             grad = p.take_unsharded_grad()
             if grad is not None:
                 if divide_factor != 1:
                     grad.div_(divide_factor)
                 _accumulate_grad(p, grad)
+                given.append(p)
+        run_post_accumulate_hooks(given)
 
     def flat_grad(self) -> torch.Tensor | None:
         """The flat gradient of the last fresh commit while every parameter's ``.grad`` is
@@ -111,3 +119,16 @@ def _accumulate_grad(p: FSDPParam, local: torch.Tensor) -> None:
     else:
         existing = param.grad
         (existing.to_local() if isinstance(existing, DTensor) else existing).add_(local)
+
+
+def run_post_accumulate_hooks(params: list[FSDPParam]) -> None:
+    """The hooks registered with ``register_post_accumulate_grad_hook`` on the sharded
+    parameters: autograd never accumulates into those (it accumulates into the unsharded
+    ones), so they run here, once the reduced gradient is in ``.grad`` (as torch's
+    ``fully_shard`` runs them after its reduce-scatter). A hook may step an optimizer and
+    clear ``.grad`` (optimizer in backward); the bucket's flat gradient is remembered
+    before, and ``flat_grad`` notices a ``.grad`` that changed."""
+    for p in params:
+        hooks = getattr(p.sharded, "_post_accumulate_grad_hooks", None)
+        for hook in list((hooks or {}).values()):
+            hook(p.sharded)

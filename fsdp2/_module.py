@@ -182,6 +182,24 @@ class FSDPModule(CommKnobs):
                 g.rebind()
         return result
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, reaching the sharded parameters' gradients also while
+        the module shows its unsharded parameters (still gathered after a forward whose
+        backward never ran: ``reshard_after_forward=False``, forward-mode AD). There
+        ``parameters()`` lists the unsharded ones, and the sharded gradients would stay
+        and take the next step's on top (torch's ``fully_shard`` does so)."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        for group in groups_under(self):  # type: ignore[arg-type]
+            for p in group.params:
+                grad = None if p.sharded is None else p.sharded.grad
+                if grad is None:
+                    continue
+                if set_to_none:
+                    p.sharded.grad = None  # type: ignore[union-attr]
+                else:
+                    grad.detach_() if grad.grad_fn is not None else grad.requires_grad_(False)
+                    grad.zero_()
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``to_empty``/``to``/``double`` replace parameter data: re-point it at our storage.
         group = self._fsdp2_state.group

@@ -1,7 +1,9 @@
 """Find and replace the tensors inside forward arguments and outputs.
 
-Handles tuples, lists, dicts, namedtuples and dataclasses, nested; anything else is
-left alone. Used to cast inputs/outputs and to route tensors through autograd nodes.
+Handles tuples, lists, dicts, namedtuples, dataclasses and every container registered
+with ``torch.utils._pytree`` (``OrderedDict``, ``defaultdict``, ``deque``, Hugging Face's
+``ModelOutput``, a user's own), nested; anything else is left alone. Used to cast
+inputs/outputs and to route tensors through autograd nodes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -21,11 +24,18 @@ def map_tensors(obj: Any, fn: TensorFn) -> Any:
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(map_tensors(x, fn) for x in obj))
+    if type(obj) in (tuple, list):
+        return type(obj)(map_tensors(x, fn) for x in obj)
+    if type(obj) is dict:
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    node = pytree.SUPPORTED_NODES.get(type(obj))
+    if node is not None:  # OrderedDict, defaultdict, deque, ModelOutput, ...
+        children, context = node.flatten_fn(obj)
+        return node.unflatten_fn([map_tensors(x, fn) for x in children], context)
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(x, fn) for x in obj)
     if isinstance(obj, dict):
-        out = {k: map_tensors(v, fn) for k, v in obj.items()}
-        return out if type(obj) is dict else type(obj)(out)
+        return type(obj)({k: map_tensors(v, fn) for k, v in obj.items()})
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {
             f.name: map_tensors(getattr(obj, f.name), fn)
@@ -48,6 +58,15 @@ def _collect(obj: Any, pred: Callable[[torch.Tensor], bool], found: list[torch.T
     if isinstance(obj, torch.Tensor):
         if pred(obj):
             found.append(obj)
+    elif type(obj) in (tuple, list):
+        for x in obj:
+            _collect(x, pred, found)
+    elif type(obj) is dict:
+        for x in obj.values():
+            _collect(x, pred, found)
+    elif type(obj) in pytree.SUPPORTED_NODES:
+        for x in pytree.SUPPORTED_NODES[type(obj)].flatten_fn(obj)[0]:
+            _collect(x, pred, found)
     elif isinstance(obj, (tuple, list)):
         for x in obj:
             _collect(x, pred, found)
