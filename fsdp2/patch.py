@@ -28,8 +28,9 @@ apply before sharding), and torch's pipeline code treats fsdp2's modules as plai
 which ``fsdp2.pipelining.PipelineStage`` relies on. A stage built another way (a subclass of
 torch's ``_PipelineStageBase``, ``build_stage``) still needs ``fsdp2.pipelining.adapt_stage``.
 
-``undo()`` puts back every binding ``apply`` changed; modules imported while applied keep
-the fsdp2 objects they imported. This is the one module of fsdp2 that imports torch's FSDP
+``undo()`` puts back every binding ``apply`` changed, and torch's own in torch's modules
+imported while applied; other modules imported while applied keep the fsdp2 objects they
+imported. This is the one module of fsdp2 that imports torch's FSDP
 modules, and only to rebind their names.
 """
 
@@ -59,6 +60,7 @@ class Patch:
     def __init__(self, swaps: dict[int, tuple[Any, Any]]) -> None:
         self.swaps = swaps  # id(torch's object) -> (torch's object, fsdp2's)
         self.bound: list[tuple[types.ModuleType, str, Any]] = []
+        self.modules_before = set(sys.modules)
         self.is_active = True
 
     def rebind(self) -> list[str]:
@@ -79,6 +81,13 @@ class Patch:
         for module, attr, theirs in reversed(self.bound):
             setattr(module, attr, theirs)
         self.bound.clear()
+        ours = {id(o): t for t, o in self.swaps.values()}
+        for name in set(sys.modules) - self.modules_before:  # torch modules imported while applied
+            module = sys.modules.get(name)
+            if isinstance(module, types.ModuleType) and (name == "torch" or name.startswith("torch.")):
+                for attr, value in list(vars(module).items()):
+                    if id(value) in ours:
+                        setattr(module, attr, ours[id(value)])
         self.is_active = False
         if _ACTIVE is self:
             _ACTIVE = None
