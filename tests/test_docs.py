@@ -105,6 +105,14 @@ def _world(nproc: Any, nnodes: Any) -> int:
     return int(str(nproc)) * int(str(nnodes).split(":")[-1])
 
 
+def _check_launcher(args: list[str], cmd: str) -> str:
+    """``fsdp2.patch`` runs: the script tests/test_patch.py launches, as it launches it."""
+    assert args == ["tests/_patch_script.py", "--steps", "2"], (
+        f"a documented fsdp2.patch run no test makes: {cmd!r}; document tests/test_patch.py's"
+    )
+    return "run by tests/test_patch.py"
+
+
 def check(cmd: str) -> str:
     """Check one command; returns how (for the failure message)."""
     if cmd.startswith(CI_STEPS):
@@ -114,12 +122,16 @@ def check(cmd: str) -> str:
         from torch.distributed.run import get_args_parser
 
         parsed = get_args_parser().parse_args(words[1:])
+        if parsed.module and parsed.training_script == "fsdp2.patch":
+            return _check_launcher(parsed.training_script_args, cmd)
         if parsed.module and parsed.training_script == "fsdp2.estimate":
             return check(" ".join(["python", "-m", "fsdp2.estimate", *map(shlex.quote, parsed.training_script_args)]))
         assert parsed.training_script == "examples/train.py", cmd
         world = _world(parsed.nproc_per_node, parsed.nnodes)
         _check_train_run(parsed.training_script_args, world, int(parsed.max_restarts) > 0)
         return "run by a test"
+    if words[:3] == ["python", "-m", "fsdp2.patch"]:
+        return _check_launcher(words[3:], cmd)
     if words[:3] == ["python", "-m", "fsdp2.estimate"]:
         from fsdp2.estimate import parse_command
 

@@ -1,12 +1,16 @@
 """The package keeps its shape: no import circle inside ``fsdp2/`` (``TYPE_CHECKING`` and
 function-level imports count: a two-way dependency goes through an argument or a small
-Protocol, see CONTRIBUTING.md), and no module-level mutable registry without a comment
-saying why it must be process-wide (``# process-wide: ...`` right above it)."""
+Protocol, see CONTRIBUTING.md), no module-level mutable registry without a comment
+saying why it must be process-wide (``# process-wide: ...`` right above it), and no import
+of torch's FSDP (``torch.distributed.fsdp``, ``torch.distributed._composable.fsdp``)
+outside ``fsdp2/patch.py``, where each such line ends ``# rebind only``: fsdp2 is written
+on torch's public pieces, not its FSDP."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -131,3 +135,45 @@ def test_module_level_registries_say_why(path: pathlib.Path) -> None:
 def test_the_registry_check_can_fail() -> None:
     source = "A = {}\n# process-wide: one per process\nB: list = []\nC = (1, 2)\n__all__ = ['x']\n"
     assert _registries(source) == [(1, "A", False), (3, "B", True)]
+
+
+TORCH_FSDP = re.compile(r"^torch\.distributed\.(fsdp|_composable\.fsdp)(\.|$)")
+
+
+def _torch_fsdp_imports(relative: str, source: str) -> list[tuple[int, str]]:
+    """(line, module) of each import of torch's FSDP not allowed in ``relative``: anywhere
+    but patch.py, and there without ``# rebind only`` at the end of the statement."""
+    lines = source.splitlines()
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            modules = [node.module or ""]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            modules = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        else:
+            continue
+        for module in modules:
+            allowed = relative == "patch.py" and lines[node.end_lineno - 1].rstrip().endswith("# rebind only")
+            if TORCH_FSDP.match(module) and not allowed:
+                bad.append((node.lineno, module))
+    return bad
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_torch_fsdp_imports(path: pathlib.Path) -> None:
+    bad = _torch_fsdp_imports(str(path.relative_to(PACKAGE)), path.read_text())
+    assert bad == [], f"{path.name} imports torch's FSDP (only fsdp2/patch.py may, '# rebind only'): {bad}"
+
+
+def test_the_torch_fsdp_check_can_fail() -> None:
+    source = (
+        "import torch.distributed.fsdp as a  # rebind only\n"
+        "from torch.distributed.fsdp._fully_shard import _fsdp_api\n"
+        "from torch.distributed._composable.fsdp import (\n    fully_shard,\n)  # rebind only\n"
+        "import importlib\nimportlib.import_module('torch.distributed.fsdp')\n"
+        "import torch.distributed.fsdpx, torch.distributed.tensor\n"
+    )
+    assert _torch_fsdp_imports("patch.py", source) == [(2, "torch.distributed.fsdp._fully_shard"), (7, "torch.distributed.fsdp")]
+    assert [line for line, _ in _torch_fsdp_imports("_state.py", source)] == [1, 2, 3, 7]

@@ -6,8 +6,8 @@ own config builders; parallelizes it with the model's own ``parallelize_qwen3`` 
 ``apply_fsdp_to_decoder``, which hands ``fully_shard`` a ``shard_placement_fn`` returning torch's
 ``ShardPlacementResult`` when ep > 1); trains a few steps with torchtitan's loss scaled by the
 global token count and its ``clip_grad_norm_``; and does it once with torch's ``fully_shard`` and
-once with ``fsdp2.fully_shard`` patched into ``torchtitan.distributed.fsdp``, from the same weights
-and batches. Prints loss, grad norm and c10d collectives per step for both, and exits 1 when a
+once under ``fsdp2.patch.applied()`` (what ``python -m fsdp2.patch`` does: no other swap), from the
+same weights and batches. Prints loss, grad norm and c10d collectives per step for both, and exits 1 when a
 relative difference exceeds 1e-4, a parameter's mesh or placements differ, or fsdp2 issues more
 collectives of some kind than torch. Collectives are those of ``tests/_comm.py`` (the
 ``ProcessGroup`` methods FSDP calls); expert parallel's functional all-to-alls are not counted.
@@ -26,12 +26,13 @@ the triton kernels of the MinimalAsyncEP dispatcher (unused here) and ``torchtit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
 import types
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import spmd_types as spmd
 import torch
@@ -82,6 +83,7 @@ from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear,
 from torchtitan.models.common.attention import ScaledDotProductAttention
 
 import fsdp2
+import fsdp2.patch
 
 tt_parallel_dims.device_type = "cpu"  # torchtitan falls back to "cuda" when no accelerator is found
 
@@ -148,24 +150,6 @@ def model_config(args: argparse.Namespace, parallelism: ParallelismConfig) -> An
     return config
 
 
-class Patched:
-    """Binds fsdp2's ``fully_shard``/``FSDPModule`` where torchtitan bound torch's, then restores."""
-
-    TARGETS: ClassVar[dict[str, Any]] = {"fully_shard": fsdp2.fully_shard, "FSDPModule": fsdp2.FSDPModule}
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.saved = enabled, {name: getattr(tt_fsdp, name) for name in self.TARGETS}
-
-    def __enter__(self) -> None:
-        if self.enabled:
-            for name, value in self.TARGETS.items():
-                setattr(tt_fsdp, name, value)
-
-    def __exit__(self, *exc: object) -> None:
-        for name, value in self.saved.items():
-            setattr(tt_fsdp, name, value)
-
-
 def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
     """Overwrite every (possibly sharded) parameter and buffer with its slice of ``full``."""
     states = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -212,7 +196,7 @@ def run(
     with torch.device("meta"):
         model = config.build()
     training = TrainingConfig(local_batch_size=LOCAL_BATCH, seq_len=SEQ, mixed_precision_param="float32")
-    with Patched(lib == "fsdp2"):
+    with fsdp2.patch.applied() if lib == "fsdp2" else contextlib.nullcontext():  # the launcher's rebinding
         model = MODELS[args.model][1](
             model, parallel_dims=dims, training=training, parallelism=parallelism,
             compile_config=CompileConfig(enable=False), ac_config=FullAC.Config() if args.ac else None,
