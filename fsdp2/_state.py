@@ -75,6 +75,7 @@ class FSDPState:
             if any(g.unfinished_steps for g in ctx.groups):
                 local_step.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
             ctx.start_iteration()
+            ctx.forwarded.clear()
         if not ctx.in_backward:  # a recompute may stop early, without its post_forward
             ctx.active_forwards += 1
         return self.group.pre_forward(self.module, args, kwargs)
@@ -102,6 +103,9 @@ class RootContext:
         self.active_forwards = 0  # pre_forwards without their post_forward yet
         self.forward_order: list[ParamGroup] = []
         self.order_frozen = False
+        # Groups whose forward ran in the current forward pass (since the root's
+        # pre_forward): the recorded order's prefetch skips them.
+        self.forwarded: set[int] = set()
         self.pending_reduces: deque[tuple[ParamGroup, FlatBucket]] = deque()
 
     @staticmethod
@@ -157,6 +161,7 @@ class RootContext:
             self.reset()
 
     def record_forward(self, group: ParamGroup) -> None:
+        self.forwarded.add(id(group))
         if not self.order_frozen and group.order_index < 0:
             group.order_index = len(self.forward_order)
             self.forward_order.append(group)
@@ -164,6 +169,7 @@ class RootContext:
     def end_forward(self) -> None:
         """After the root's forward: the order is known; free prefetched, unused groups."""
         self.order_frozen = True
+        self.forwarded.clear()
         for g in self.groups:
             if (
                 g is not self.root
@@ -179,7 +185,11 @@ class RootContext:
         i = group.order_index
         if not self.order_frozen or i < 0 or i + 1 >= len(self.forward_order):
             return []
-        return [self.forward_order[i + 1]]
+        # Not a group that ran already in this pass: a group of several modules (e.g.
+        # [final norm, embedding, output head], tied) runs forward again after its next
+        # group was freed, which would gather that one once more for nothing.
+        target = self.forward_order[i + 1]
+        return [] if id(target) in self.forwarded else [target]
 
     def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
         # Never one whose backward already started (the root): it was gathered then, and

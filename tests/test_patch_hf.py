@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from _comm import CommCounter
 from _dist import run_ranks
 
 import fsdp2
@@ -89,11 +90,13 @@ def _accelerate(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = accelerator.prepare(model, opt)
-    losses = []
+    losses, gathers = [], []
     for step in range(STEPS):
         ids = torch.randint(0, 64, (2 * world, 12), generator=torch.Generator().manual_seed(step)).chunk(world)[rank]
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
+        with CommCounter().active() as counter:  # accelerate's grouping of a tied model
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+        gathers.append(counter.calls["all_gather"])
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -101,7 +104,10 @@ def _accelerate(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     state = accelerator.get_state_dict(model)
     accelerator.save_model(model, out_dir)
     accelerator.wait_for_everyone()
-    return {"losses": losses, "sharded_by": _sharded_by(model), "fsdp2": accelerator.is_fsdp2, "keys": sorted(state)}
+    return {
+        "losses": losses, "sharded_by": _sharded_by(model), "fsdp2": accelerator.is_fsdp2, "keys": sorted(state),
+        "gathers": gathers,
+    }
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -172,5 +178,7 @@ def test_client_at_parity_with_torch_and_sharded_by_fsdp2(client: str) -> None:
             assert not math.isnan(a) and abs(a - b) <= 1e-5 * abs(b), (rank, mine["losses"], theirs["losses"])
         if client == "accelerate":
             assert mine["keys"] == theirs["keys"], (rank, mine["keys"], theirs["keys"])
+            # Each decoder layer, [final norm, embed_tokens, lm_head] kept gathered, the root.
+            assert all(0 < m <= t for m, t in zip(mine["gathers"], theirs["gathers"])), (rank, mine["gathers"], theirs["gathers"])
     saved = results[0][client + "-saved"]
     assert saved["same_keys"] and saved["trained"] and saved["worst"] <= 1.0, saved
