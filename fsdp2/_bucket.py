@@ -109,9 +109,12 @@ class FlatBucket:
                     local = p.dispatch_shard(value.detach(), device)
                 else:
                     local = self.local_view(p)
-                    if device.type != "meta" and orig.device.type != "meta" and own:
-                        local.copy_((p.wrapper.inner(value) if p.wrapper is not None else value).reshape(local.shape))
-                    elif device.type != "meta" and orig.device.type != "meta":
+                    if device.type == "meta" or orig.device.type == "meta":
+                        pass
+                    elif own:
+                        rows = p.wrapper.inner(value) if p.wrapper is not None else value
+                        local.copy_(rows.reshape(local.shape))
+                    else:
                         local.copy_(p.local_chunk(orig.detach()))
                 p.set_sharded(p.new_sharded(local, orig.requires_grad))
         self._allocate_unsharded()

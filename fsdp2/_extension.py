@@ -68,7 +68,8 @@ class ExtensionGather:
         self._riding = [r for r in b.riders if r.shard_numel and not r.gather_is_identity]
         inputs = self.collect(mp_policy)
         for r in self._riding:
-            inputs += r.extension_gather.collect(r.mp_policy) if r.extension_gather is not None else [_rider_input(r)]
+            ext = r.extension_gather
+            inputs += ext.collect(r.mp_policy) if ext is not None else [_rider_input(r)]
         flat_inputs = [t.reshape(-1).view(torch.uint8) for t in inputs]
         numel = sum(t.numel() for t in flat_inputs)
         world, device = b.comm.shard_size, b.device
@@ -119,7 +120,8 @@ class ExtensionGather:
         with traced("fsdp2::copy_out"):
             col = self.take(gathered, 0)
             for r in self._riding:
-                col = r.extension_gather.take(gathered, col) if r.extension_gather is not None else _rider_take(r, gathered, col)
+                ext = r.extension_gather
+                col = ext.take(gathered, col) if ext is not None else _rider_take(r, gathered, col)
         for buf in self._buffers:
             if buf is not None:
                 b.comm.pool.release(buf)

@@ -97,8 +97,8 @@ def rebucket(
     optimizers built before keep working; the group-wide knobs set on the old buckets
     carry over."""
     current = [p.sharded for p in params]
-    device = old[0].device
-    buckets = build_buckets(params, current, comm, device, mp_policy, offload_policy)  # type: ignore[arg-type]
+    # Each parameter's own sharded parameter as its "original": its rows are copied.
+    buckets = build_buckets(params, current, comm, old[0].device, mp_policy, offload_policy)  # type: ignore[arg-type]
     for p, param in zip(params, current):
         assert param is not None, "fsdp2 internal error: re-bucketing an unsharded parameter"
         fresh, grad = p.sharded, param.grad

@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._layout import ShardLayout
 from ._mesh import MeshInfo, SpmdDims
-from ._subclass import KeepObject, SubclassWrapper, has_extension
+from ._subclass import KeepObject, SubclassWrapper, has_extension, late_wrapper
 
 # id(unsharded leaf) -> its FSDPParam (weakly), to tell an optimizer that was handed the
 # unsharded parameters (``unsharded_owner``).
@@ -128,25 +128,14 @@ class FSDPParam:
 
     def gained_extension(self) -> bool:
         """At lazy init: its local tensor gained all-gather hooks since ``fully_shard``
-        (bound to the object, as torch's tests do): from now on it gathers through them,
-        that object staying its local tensor (``KeepObject``). The caller re-buckets it."""
+        (``late_wrapper``); from now on it gathers through them. The caller re-buckets it."""
         if self.extension or self.sharded is None:
             return False
         local = self.sharded._local_tensor  # type: ignore[attr-defined]
         if not has_extension(local):
             return False
         _check_extension_param(self.fqn, self.sharded if self.tp is not None else local, self.layout.dim)
-        self.extension = True
-        if "fsdp_pre_all_gather" not in vars(local):  # its class gained them: as at fully_shard
-            self.wrapper = SubclassWrapper.of(local)
-        elif type(local) is torch.Tensor:
-            self.wrapper = KeepObject(local)
-        else:
-            raise NotImplementedError(
-                f"parameter {self.fqn}: fsdp_pre_all_gather was bound to its local tensor, a "
-                f"{type(local).__name__}; fsdp2 supports hooks bound to plain tensors, or defined on the "
-                "subclass itself"
-            )
+        self.extension, self.wrapper = True, late_wrapper(self.fqn, local)
         self.dispatched = self.wrapper is None
         return True
 

@@ -78,3 +78,18 @@ class KeepObject:
     def wrap(self, plain: torch.Tensor) -> torch.Tensor:
         self.local.data = plain
         return self.local
+
+
+def late_wrapper(fqn: str, local: torch.Tensor) -> SubclassWrapper | KeepObject | None:
+    """How a local tensor that gained all-gather hooks after ``fully_shard`` is kept:
+    hooks bound to the object itself (instance methods, as torch's tests monkey-patch
+    them) keep that object (``KeepObject``, plain tensors only); hooks its class gained
+    are handled as at ``fully_shard`` (a ``SubclassWrapper``, or None: its own ops)."""
+    if "fsdp_pre_all_gather" not in vars(local):
+        return SubclassWrapper.of(local)
+    if type(local) is torch.Tensor:
+        return KeepObject(local)
+    raise NotImplementedError(
+        f"parameter {fqn}: fsdp_pre_all_gather was bound to its local tensor, a {type(local).__name__}; "
+        "fsdp2 supports hooks bound to plain tensors, or defined on the subclass itself"
+    )

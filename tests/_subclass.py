@@ -167,7 +167,8 @@ def bind_hooks(local: torch.Tensor) -> None:
     the mesh noted in ``seen`` as ``ThreadLocal`` does."""
 
     def fsdp_pre_all_gather(
-        self: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
+        self: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any,
+        mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         seen.meshes = getattr(seen, "meshes", []) + [mesh]
         return Doubled.fsdp_pre_all_gather(Doubled(self), mesh, outer_size, outer_stride, module, mp_policy)

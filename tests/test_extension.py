@@ -149,7 +149,8 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any], count: bool = Fal
         # (hook calls seen on this thread, 1-D meshes of the shard dim's size among them)
         "thread_meshes": (len(meshes), sum(m.ndim == 1 and m.size() == shape[-1] for m in meshes)),
         "worst": worst,
-        "kept_class": kept_class and all(type(layer.weight.to_local()) is cls for layer in (model.fc1, model.fc2))
+        "kept_class": kept_class
+        and all(type(layer.weight.to_local()) is cls for layer in (model.fc1, model.fc2))
         # hooks bound late: still the very objects they were bound to
         and all(layer.weight._local_tensor is t for layer, t in zip((model.fc1, model.fc2), bound)),
         "tags_seen": list(_subclass.tags_seen),

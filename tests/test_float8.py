@@ -21,17 +21,17 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-
 from _comm import CommCounter
 from _dist import cached_outcome, run_scenarios
 from _models import impl
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from typing_extensions import Self
 
-RECIPES = {
-    "plain": dict(precompute=False, mp=None),
-    "precompute": dict(precompute=True, mp=None),
-    "precompute_bf16": dict(precompute=True, mp=torch.bfloat16),
+RECIPES: dict[str, dict[str, Any]] = {
+    "plain": {"precompute": False, "mp": None},
+    "precompute": {"precompute": True, "mp": None},
+    "precompute_bf16": {"precompute": True, "mp": torch.bfloat16},
 }
 LIBS = ("fsdp2", "torch")
 STEPS = 3
@@ -72,12 +72,12 @@ class ScaleAllReduces:
         self.saved = [getattr(m, name) for m, name in self.targets]
         self.count = 0
 
-    def __enter__(self) -> ScaleAllReduces:
+    def __enter__(self) -> Self:
         for (module, name), fn in zip(self.targets, self.saved):
             setattr(module, name, self._counting(fn))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for (module, name), fn in zip(self.targets, self.saved):
             setattr(module, name, fn)
 
@@ -94,7 +94,9 @@ def _train(lib: Any, model: Net, rank: int, world: int, recipe: dict[str, Any]) 
 
     mesh = init_device_mesh("cpu", (world,))
     # torchtitan's mixed precision: bfloat16 compute, float32 reduce
-    mp = lib.MixedPrecisionPolicy(param_dtype=recipe["mp"], reduce_dtype=torch.float32) if recipe["mp"] else lib.MixedPrecisionPolicy()
+    mp = lib.MixedPrecisionPolicy()
+    if recipe["mp"]:
+        mp = lib.MixedPrecisionPolicy(param_dtype=recipe["mp"], reduce_dtype=torch.float32)
     for block in model.blocks:
         lib.fully_shard(block, mesh=mesh, mp_policy=mp)
     lib.fully_shard(model, mesh=mesh, mp_policy=mp)
