@@ -52,6 +52,9 @@ CASES = {
     # monkey patch): after to_empty from the meta device, and on HSDP
     "late_hooks": dict(cls=None, hidden=7, late=True, meta=True),
     "late_hooks_hsdp": dict(cls=None, hidden=7, late=True, hsdp=True),
+    # one group of both kinds (fc1 rebuilt over the flat buffer, fc2 sharded by its own
+    # ops) and plain biases: one all-gather carries all three buckets
+    "mixed_kinds": dict(cls="Doubled", cls2="Pair", hidden=7, one_group=True),
 }
 WORLD = 4
 
@@ -81,9 +84,9 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.fc1(self.emb(ids))))
 
 
-def _wrap_weights(model: Net, cls: type) -> None:
-    make = getattr(cls, "make", cls)
-    for layer in (model.fc1, model.fc2):
+def _wrap_weights(model: Net, classes: tuple[type, type]) -> None:
+    for layer, cls in zip((model.fc1, model.fc2), classes):
+        make = getattr(cls, "make", cls)
         layer.weight = nn.Parameter(make(layer.weight.detach().clone()))
 
 
@@ -100,14 +103,15 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any], count: bool = Fal
             model = Net(cfg["hidden"]).double()
     if not cfg.get("meta"):
         model.load_state_dict(ref.state_dict())
-    cls = getattr(_subclass, cfg["cls"]) if cfg["cls"] else torch.Tensor
+    classes = tuple(getattr(_subclass, c) if c else torch.Tensor for c in (cfg["cls"], cfg.get("cls2", cfg["cls"])))
     if cfg["cls"]:
-        _wrap_weights(model, cls)
+        _wrap_weights(model, classes)  # type: ignore[arg-type]
     mp = lib.MixedPrecisionPolicy(param_dtype=torch.float32) if cfg.get("mp") else lib.MixedPrecisionPolicy()
     shape, names = ((2, world // 2), ("replicate", "shard")) if cfg.get("hsdp") else ((world,), ("dp",))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    for layer in (model.fc1, model.fc2):
-        lib.fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.get("raf", True), mp_policy=mp)
+    groups = [[model.fc1, model.fc2]] if cfg.get("one_group") else [model.fc1, model.fc2]
+    for modules in groups:
+        lib.fully_shard(modules, mesh=mesh, reshard_after_forward=cfg.get("raf", True), mp_policy=mp)
     lib.fully_shard(model, mesh=mesh, mp_policy=mp)
     if cfg.get("meta"):
         model.to_empty(device="cpu")
@@ -121,7 +125,7 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any], count: bool = Fal
     if cfg.get("custom"):
         for layer in (model.fc1, model.fc2):
             layer.set_custom_all_gather(gather)
-    kept_class = all(type(layer.weight.to_local()) is cls for layer in (model.fc1, model.fc2))
+    kept_class = all(type(layer.weight.to_local()) is c for layer, c in zip((model.fc1, model.fc2), classes))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     _subclass.calls.update(pre=0, post=0, post_out=0)
@@ -150,7 +154,7 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any], count: bool = Fal
         "thread_meshes": (len(meshes), sum(m.ndim == 1 and m.size() == shape[-1] for m in meshes)),
         "worst": worst,
         "kept_class": kept_class
-        and all(type(layer.weight.to_local()) is cls for layer in (model.fc1, model.fc2))
+        and all(type(layer.weight.to_local()) is c for layer, c in zip((model.fc1, model.fc2), classes))
         # hooks bound late: still the very objects they were bound to
         and all(layer.weight._local_tensor is t for layer, t in zip((model.fc1, model.fc2), bound)),
         "tags_seen": list(_subclass.tags_seen),
