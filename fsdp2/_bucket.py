@@ -79,7 +79,10 @@ class FlatBucket:
         # Subclasses with an all-gather extension (in buckets of their own): their gather.
         self.extension = any(p.extension for p in params)
         self.mp_policy: Any = None  # the group's, passed to ``fsdp_pre_all_gather``
-        self.gather = BucketGather(self)
+        self.gather: BucketGather = BucketGather(self)  # a ``RidingGather`` when another carries it
+        # The group's other buckets on this mesh, whose rows this extension bucket's
+        # all-gather carries (``ExtensionGather``; ``join_gathers`` sets them).
+        self.riders: list[FlatBucket] = []
         self._flat_alias: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kept = KeptCopy(self)
         self.custom_all_gather: Any = None  # ``set_custom_all_gather``'s collective, if any
@@ -94,15 +97,24 @@ class FlatBucket:
 
     # ------------------------------------------------------------------ storage
     def _allocate_sharded(self, originals: list[torch.Tensor], device: torch.device) -> None:
+        """Each parameter's shard from ``originals``: its full value, or (re-bucketing)
+        its current sharded parameter."""
         device = self.shard_home(device)
         self.sharded_flat = self._new_sharded_flat(self.dtype, device)
         with torch.no_grad():
             for p, orig in zip(self.params, originals):
+                own = orig is p.sharded  # already this rank's rows
+                value = orig._local_tensor if own else orig  # type: ignore[attr-defined]
                 if p.dispatched:
-                    local = p.dispatch_shard(orig.detach(), device)
+                    local = p.dispatch_shard(value.detach(), device)
                 else:
                     local = self.local_view(p)
-                    if device.type != "meta" and orig.device.type != "meta":
+                    if device.type == "meta" or orig.device.type == "meta":
+                        pass
+                    elif own:
+                        rows = p.wrapper.inner(value) if p.wrapper is not None else value
+                        local.copy_(rows.reshape(local.shape))
+                    else:
                         local.copy_(p.local_chunk(orig.detach()))
                 p.set_sharded(p.new_sharded(local, orig.requires_grad))
         self._allocate_unsharded()
@@ -288,9 +300,9 @@ class FlatBucket:
     def reshard_partial(self) -> None:
         """Keep only the ranks ``[index*W/factor, (index+1)*W/factor)`` of the gathered
         rows, so the backward all-gather runs over ``factor`` ranks only. (All-gather
-        extensions gather whole, and a factor of the whole shard group means all: those
-        buckets reshard fully.)"""
-        if self.extension or self.gather.target is None:
+        extensions gather whole, and so do the buckets their gather carries; a factor of
+        the whole shard group means all: those buckets reshard fully.)"""
+        if self.extension or self.gather.rides or self.gather.target is None:
             self.reshard()
             return
         keep = self.gather.kept_rows()

@@ -46,6 +46,8 @@ class BucketView(Protocol):
     extension_gather: Any  # its ``ExtensionGather``, or None
     custom_all_gather: Any  # ``set_custom_all_gather``'s collective, or None
     mp_policy: Any  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
+    riders: list[BucketView]  # buckets whose rows its extension gather carries
+    gather: Any  # its ``BucketGather``
 
     def comm_numel(self) -> int: ...
     def alloc_unsharded(self) -> None: ...

@@ -6,7 +6,8 @@ from the kept rows (``partial``) over the smaller group; into a pooled buffer, a
 collective's buffer, or in place (gloo's strategy, ``_in_place.py``, possibly deferred
 behind a reduce in the same storage). Phase 2 (``finish``) waits and copies the gathered
 rows out parameter-major into the unsharded storage. Subclasses with an all-gather
-extension gather through ``_extension.ExtensionGather`` instead.
+extension gather through ``_extension.ExtensionGather`` instead, which also carries the
+other buckets of their group and mesh (``RidingGather``): one all-gather, as torch's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class PartialTarget(NamedTuple):
 
 class BucketGather:
     """One bucket's all-gather in flight, its buffers, and an integer reshard's kept rows."""
+
+    rides = False  # its rows travel in another bucket's gather (``RidingGather``)
 
     def __init__(self, bucket: BucketView) -> None:
         self.bucket = bucket
@@ -135,7 +138,7 @@ class BucketGather:
             wait_future(self._issue, f"all-gather of {b.name}")
             self._issue = None
         if b.extension_gather is not None:
-            b.extension_gather.finish(b.compute_dtype)
+            b.extension_gather.finish()
             return
         b.alloc_unsharded()
         if b.shard_numel > 0:
@@ -145,11 +148,18 @@ class BucketGather:
             self.input = None
             if self.buf is not None:
                 with traced("fsdp2::copy_out"):
-                    self._copy_out(output.view(b.comm.shard_size, b.shard_numel))
+                    self.copy_out(output.view(b.comm.shard_size, b.shard_numel))
                 if self._pooled:
                     b.comm.pool.release(self.buf)
                 self.buf = None
         self.partial = None
+        if b.scalars or b.offload is not None:
+            self._finish_tail()
+
+    def _finish_tail(self) -> None:
+        """The replicated scalars (never gathered) into the unsharded storage; with
+        offload, wait for the host copies."""
+        b = self.bucket
         if b.scalars:
             start = b.comm.shard_size * b.shard_numel
             tail = b.unsharded_write[start : start + len(b.scalars)]
@@ -160,7 +170,7 @@ class BucketGather:
         if b.offload is not None:
             b.offload.wait_copied_in()
 
-    def _copy_out(self, blocks: torch.Tensor) -> None:
+    def copy_out(self, blocks: torch.Tensor) -> None:
         """Gathered blocks (``W x S``, rank-major) into the unsharded parameters: one
         ``split_with_sizes_copy`` when they all shard on dim 0, otherwise the dim-0 ones
         by region and the others by their layout."""
@@ -207,3 +217,37 @@ class BucketGather:
                 self.buf = None
                 self._pending = None
                 self.input = None
+
+
+class RidingGather(BucketGather):
+    """The gather of a bucket whose rows travel in the all-gather of another bucket of
+    its group and mesh, one with an all-gather extension (``carrier``): the group sends
+    one collective, as torch's does. The carrier issues it and copies the rows out
+    (``ExtensionGather.start`` / ``finish``); it comes first in its group, so it is
+    finished by the time this one is. Such a bucket gathers whole, like its carrier (an
+    integer ``reshard_after_forward`` frees it like ``True``)."""
+
+    rides = True
+
+    def __init__(self, bucket: BucketView, carrier: BucketView) -> None:
+        super().__init__(bucket)
+        self.carrier = carrier
+
+    def in_flight(self) -> bool:
+        return self.carrier.extension_gather.in_flight or super().in_flight()
+
+    def start(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
+        return  # issued with the carrier's
+
+    def finish(self) -> None:
+        b = self.bucket
+        if b.gather_is_identity:
+            return
+        carried = self.carrier.extension_gather
+        if carried.in_flight:  # finished out of the group's order (a reshard): finish it now
+            carried.finish()
+        if b.extension_gather is None:
+            b.alloc_unsharded()  # the rows are in (unless there were none)
+            self.partial = None
+            if b.scalars or b.offload is not None:
+                self._finish_tail()

@@ -40,7 +40,14 @@ import torch.nn as nn
 
 from ._bucket import FlatBucket
 from ._calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
-from ._group_setup import ShardState, TrainingState, UnshardChecks, adoptable_replacements, build_buckets
+from ._group_setup import (
+    ShardState,
+    TrainingState,
+    UnshardChecks,
+    adoptable_replacements,
+    build_buckets,
+    rebucket,
+)
 from ._mesh import MeshInfo
 from ._param import FSDPParam
 from ._shared import SharedParam
@@ -94,6 +101,7 @@ class ParamGroup:
         self.modules = modules
         self.comm = comm
         self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
         self.buckets = build_buckets(params, originals, comm, device, mp_policy, offload_policy)
         self.set_name(type(modules[0]).__name__)
         self.reshard_after_forward_arg: bool | int | None = None  # None: decided at lazy init
@@ -243,9 +251,19 @@ class ParamGroup:
     def adopt_reassigned(self) -> None:
         """At lazy init: parameters reassigned since ``fully_shard`` (``module.weight =
         nn.Parameter(dtensor)``, e.g. by a custom initializer) become the sharded
-        parameters, their values copied into the group's storage."""
+        parameters, their values copied into the group's storage; parameters whose local
+        tensors gained all-gather hooks since (bound to the object, as torch's tests do)
+        move to the extension path, the group's buckets built anew (torch too looks for
+        the hooks at lazy init)."""
         if adoptable_replacements(self.params):
             self.rebind()
+        gained = [p for p in self.params if p.gained_extension()]  # each one checked, and moved
+        if gained:
+            self.reshard()
+            self.checks.forget()
+            self.buckets = rebucket(self.params, self.buckets, self.comm, self.mp_policy, self.offload_policy)
+            self.set_reshard_after_forward(self.reshard_after_forward_arg)
+            self.set_name(self.name)
 
     # -------------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

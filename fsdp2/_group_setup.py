@@ -10,6 +10,7 @@ from enum import Enum, auto
 import torch
 
 from ._bucket import FlatBucket
+from ._gather import RidingGather
 from ._mesh import MeshInfo, mesh_device
 from ._offload import HostOffload
 from ._param import FSDPParam
@@ -62,6 +63,54 @@ def build_buckets(
             not ((mp_policy.reduce_dtype or mp_policy.param_dtype) and floating),
         )
         buckets.append(bucket)
+    return join_gathers(buckets)
+
+
+def join_gathers(buckets: list[FlatBucket]) -> list[FlatBucket]:
+    """On each mesh with an all-gather extension, its first extension bucket carries the
+    other buckets on that mesh (``ExtensionGather``): one all-gather, as torch sends a
+    group's parameters together. Returns the buckets with each carrier moved before the
+    buckets it carries (it finishes first); the order is unchanged without extensions."""
+    out = list(buckets)
+    for carrier in [b for b in buckets if b.extension]:
+        if carrier.gather.rides:
+            continue  # carried by an earlier extension bucket of its mesh
+        carrier.riders = [b for b in buckets if b.comm is carrier.comm and b is not carrier]
+        for r in carrier.riders:
+            r.gather = RidingGather(r, carrier)
+        if carrier.riders:
+            out.remove(carrier)
+            out.insert(min(out.index(r) for r in carrier.riders), carrier)
+    return out
+
+
+def rebucket(
+    params: list[FSDPParam],
+    old: list[FlatBucket],
+    comm: MeshInfo,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None,
+) -> list[FlatBucket]:
+    """The buckets built anew over the parameters' current shards (after some moved to
+    the extension path at lazy init: ``FSDPParam.gained_extension``). The sharded
+    parameters stay the same objects (swapped, as ``FlatBucket.rebind`` does), so
+    optimizers built before keep working; the group-wide knobs set on the old buckets
+    carry over."""
+    current = [p.sharded for p in params]
+    # Each parameter's own sharded parameter as its "original": its rows are copied.
+    buckets = build_buckets(params, current, comm, old[0].device, mp_policy, offload_policy)  # type: ignore[arg-type]
+    for p, param in zip(params, current):
+        assert param is not None, "fsdp2 internal error: re-bucketing an unsharded parameter"
+        fresh, grad = p.sharded, param.grad
+        torch.utils.swap_tensors(param, fresh)  # type: ignore[arg-type]
+        param.grad = grad
+        p.set_sharded(param)
+        p.register_sharded()
+    for b in buckets:
+        b.custom_all_gather = old[0].custom_all_gather
+        b.reduce.hook, b.reduce.custom = old[0].reduce.hook, old[0].reduce.custom
+        b.reduce.zero_unused = old[0].reduce.zero_unused
+        b.update_direct()
     return buckets
 
 

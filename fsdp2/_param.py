@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._layout import ShardLayout
 from ._mesh import MeshInfo, SpmdDims
-from ._subclass import SubclassWrapper, has_extension
+from ._subclass import KeepObject, SubclassWrapper, has_extension, late_wrapper
 
 # id(unsharded leaf) -> its FSDPParam (weakly), to tell an optimizer that was handed the
 # unsharded parameters (``unsharded_owner``).
@@ -82,7 +82,7 @@ class FSDPParam:
         # view of the bucket's flat buffer rebuilt around it (``wrapper``, one inner
         # tensor), or else as a shard of its own made through its own ops (``dispatched``).
         self.extension = has_extension(local)
-        self.wrapper: SubclassWrapper | None = None
+        self.wrapper: SubclassWrapper | KeepObject | None = None
         if self.extension:
             _check_extension_param(fqn, param, dim)
             self.wrapper = SubclassWrapper.of(local)
@@ -126,6 +126,19 @@ class FSDPParam:
         self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
         self._tp_pending: DTensor | None = None  # TP gradient kept Partial while accumulating
 
+    def gained_extension(self) -> bool:
+        """At lazy init: its local tensor gained all-gather hooks since ``fully_shard``
+        (``late_wrapper``); from now on it gathers through them. The caller re-buckets it."""
+        if self.extension or self.sharded is None:
+            return False
+        local = self.sharded._local_tensor  # type: ignore[attr-defined]
+        if not has_extension(local):
+            return False
+        _check_extension_param(self.fqn, self.sharded if self.tp is not None else local, self.layout.dim)
+        self.extension, self.wrapper = True, late_wrapper(self.fqn, local)
+        self.dispatched = self.wrapper is None
+        return True
+
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the parameter's value ``full``: its own local tensor (a TP
         DTensor's local tensor), or the global value (split for TP first, locally)."""
@@ -154,7 +167,10 @@ class FSDPParam:
         as the subclass the parameter was when it has an all-gather extension."""
         if self.wrapper is not None:
             local = self.wrapper.wrap(local)
-        return nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
+        param = nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
+        if isinstance(self.wrapper, KeepObject):
+            param._local_tensor = local  # nn.Parameter detached it: hooks are bound to this object
+        return param
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard of this parameter as a DTensor of the full shape, where the

@@ -1,6 +1,8 @@
-"""Parameters of tensor subclasses with an all-gather extension: which ones have it, and
-how a one-inner-tensor subclass is rebuilt around another tensor (its block of the
-bucket's flat buffer). The gather itself is ``_extension.ExtensionGather``."""
+"""Parameters with an all-gather extension: which ones have it, and how their local
+tensor is made over another tensor (its rows of the bucket's flat buffer): a
+one-inner-tensor subclass is rebuilt around it (``SubclassWrapper``); a tensor whose
+hooks were bound to the object itself stays that object, its data re-pointed
+(``KeepObject``). The gather itself is ``_extension.ExtensionGather``."""
 
 from __future__ import annotations
 
@@ -58,3 +60,36 @@ class SubclassWrapper:
 
     def wrap(self, plain: torch.Tensor) -> torch.Tensor:
         return self.cls.__tensor_unflatten__({self.name: plain}, self.ctx, plain.shape, plain.stride())
+
+
+class KeepObject:
+    """The local tensor of a parameter whose hooks were bound to the tensor object itself
+    (``local.fsdp_pre_all_gather = fn.__get__(local)`` after ``fully_shard``, as torch's
+    tests do): no rebuilt tensor would carry them, so this very object stays the local
+    tensor, and ``wrap`` re-points its data at the bucket's flat buffer (``.data``
+    keeps the object, its ``__dict__`` and so the bound hooks)."""
+
+    def __init__(self, local: torch.Tensor) -> None:
+        self.local = local
+
+    def inner(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def wrap(self, plain: torch.Tensor) -> torch.Tensor:
+        self.local.data = plain
+        return self.local
+
+
+def late_wrapper(fqn: str, local: torch.Tensor) -> SubclassWrapper | KeepObject | None:
+    """How a local tensor that gained all-gather hooks after ``fully_shard`` is kept:
+    hooks bound to the object itself (instance methods, as torch's tests monkey-patch
+    them) keep that object (``KeepObject``, plain tensors only); hooks its class gained
+    are handled as at ``fully_shard`` (a ``SubclassWrapper``, or None: its own ops)."""
+    if "fsdp_pre_all_gather" not in vars(local):
+        return SubclassWrapper.of(local)
+    if type(local) is torch.Tensor:
+        return KeepObject(local)
+    raise NotImplementedError(
+        f"parameter {fqn}: fsdp_pre_all_gather was bound to its local tensor, a {type(local).__name__}; "
+        "fsdp2 supports hooks bound to plain tensors, or defined on the subclass itself"
+    )

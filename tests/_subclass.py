@@ -143,3 +143,41 @@ class Pair(TwoTensor):
     @staticmethod
     def make(t: torch.Tensor) -> Pair:
         return Pair(t, t.clone())
+
+
+class Stateful(Doubled):
+    """Keeps state on its local tensor, as torchao's float8 weight keeps the scale that
+    ``precompute_float8_dynamic_scale_for_fsdp`` sets after each step: the test sets
+    ``tag`` on ``param._local_tensor``; the hook must see it (a rebuilt tensor would not),
+    so it records what it saw in ``tags_seen``."""
+
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        tags_seen.append(getattr(self, "tag", None))
+        return super().fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
+
+
+tags_seen: list[Any] = []
+
+
+def bind_hooks(local: torch.Tensor) -> None:
+    """Hooks bound to a plain tensor object after ``fully_shard`` (instance methods, as
+    torch's tests monkey-patch them): ``Doubled``'s gather (values doubled, int64 tags),
+    the mesh noted in ``seen`` as ``ThreadLocal`` does."""
+
+    def fsdp_pre_all_gather(
+        self: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any,
+        mp_policy: Any,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        seen.meshes = getattr(seen, "meshes", []) + [mesh]
+        return Doubled.fsdp_pre_all_gather(Doubled(self), mesh, outer_size, outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(
+        self: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        return Doubled.fsdp_post_all_gather(Doubled(self), outputs, metadata, param_dtype, out=out)
+
+    local.fsdp_pre_all_gather = fsdp_pre_all_gather.__get__(local)  # type: ignore[attr-defined]
+    local.fsdp_post_all_gather = fsdp_post_all_gather.__get__(local)  # type: ignore[attr-defined]

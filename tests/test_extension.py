@@ -1,13 +1,18 @@
 """The tensor-subclass all-gather extension (``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather``, as torchao's float8 weights use it), at 4 ranks, with fsdp2
 and with torch's ``fully_shard`` in the same ranks: the hooks run on every gather, on
-the thread that runs the forward, with the shard dim's 1-D mesh; the sharded parameters
-keep their class, and training matches local training in float64, with uneven shards,
+the thread that runs the forward, with the shard dim's 1-D mesh, called on the
+parameter's own local tensor (state kept there is seen); the sharded parameters keep
+their class, and training matches local training in float64, with uneven shards,
 mixed precision on, the older one-argument signature, subclasses of two inner tensors or
-an ``__tensor_unflatten__`` of their own, on a 1-D mesh and on HSDP (2 x 2)."""
+an ``__tensor_unflatten__`` of their own, hooks bound to a plain tensor after
+``fully_shard`` (and ``to_empty``), on a 1-D mesh and on HSDP (2 x 2). A group mixing
+extension and plain parameters sends one all-gather, as torch's does: fsdp2 issues as
+many all-gathers as torch, of no more bytes, in every case."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Any
@@ -18,8 +23,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import _subclass
+from _comm import CommCounter
 from _dist import run_ranks
-from _models import batch, full_params, impl, loss_fn
+from _models import batch, copy_full_into_sharded, full_params, impl, loss_fn
 from _models import worst as _worst
 
 LIBS = ("fsdp2", "torch")
@@ -40,6 +46,15 @@ CASES = {
     # fsdp_pre_all_gather keeps per-thread state: called on the forward's thread
     "thread_local": dict(cls="ThreadLocal", hidden=8),
     "thread_local_hsdp": dict(cls="ThreadLocal", hidden=8, hsdp=True),
+    # state set on param._local_tensor after each step (torchao's precomputed scale)
+    "state_on_local": dict(cls="Stateful", hidden=7),
+    # plain weights whose local tensors get hooks bound after fully_shard (torch's tests'
+    # monkey patch): after to_empty from the meta device, and on HSDP
+    "late_hooks": dict(cls=None, hidden=7, late=True, meta=True),
+    "late_hooks_hsdp": dict(cls=None, hidden=7, late=True, hsdp=True),
+    # one group of both kinds (fc1 rebuilt over the flat buffer, fc2 sharded by its own
+    # ops) and plain biases: one all-gather carries all three buckets
+    "mixed_kinds": dict(cls="Doubled", cls2="Pair", hidden=7, one_group=True),
 }
 WORLD = 4
 
@@ -69,9 +84,9 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.fc1(self.emb(ids))))
 
 
-def _wrap_weights(model: Net, cls: type) -> None:
-    make = getattr(cls, "make", cls)
-    for layer in (model.fc1, model.fc2):
+def _wrap_weights(model: Net, classes: tuple[type, type]) -> None:
+    for layer, cls in zip((model.fc1, model.fc2), classes):
+        make = getattr(cls, "make", cls)
         layer.weight = nn.Parameter(make(layer.weight.detach().clone()))
 
 
@@ -79,35 +94,56 @@ def _wrap_weights(model: Net, cls: type) -> None:
 INIT_LOCK = threading.Lock()
 
 
-def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any], count: bool = False) -> dict[str, Any]:
+    """One case; ``count``: the collectives too (not with threads for ranks)."""
     with INIT_LOCK:
         torch.manual_seed(0)
-        ref, model = Net(cfg["hidden"]).double(), Net(cfg["hidden"]).double()
-    model.load_state_dict(ref.state_dict())
-    cls = getattr(_subclass, cfg["cls"])
-    _wrap_weights(model, cls)
+        ref = Net(cfg["hidden"]).double()
+        with torch.device("meta" if cfg.get("meta") else "cpu"):
+            model = Net(cfg["hidden"]).double()
+    if not cfg.get("meta"):
+        model.load_state_dict(ref.state_dict())
+    classes = tuple(getattr(_subclass, c) if c else torch.Tensor for c in (cfg["cls"], cfg.get("cls2", cfg["cls"])))
+    if cfg["cls"]:
+        _wrap_weights(model, classes)  # type: ignore[arg-type]
     mp = lib.MixedPrecisionPolicy(param_dtype=torch.float32) if cfg.get("mp") else lib.MixedPrecisionPolicy()
     shape, names = ((2, world // 2), ("replicate", "shard")) if cfg.get("hsdp") else ((world,), ("dp",))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    for layer in (model.fc1, model.fc2):
-        lib.fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.get("raf", True), mp_policy=mp)
+    groups = [[model.fc1, model.fc2]] if cfg.get("one_group") else [model.fc1, model.fc2]
+    for modules in groups:
+        lib.fully_shard(modules, mesh=mesh, reshard_after_forward=cfg.get("raf", True), mp_policy=mp)
     lib.fully_shard(model, mesh=mesh, mp_policy=mp)
+    if cfg.get("meta"):
+        model.to_empty(device="cpu")
+        copy_full_into_sharded(model, dict(ref.named_parameters()), rank, world)
+    bound = []
+    if cfg.get("late"):  # after fully_shard and to_empty, on the objects the user sees
+        bound = [layer.weight._local_tensor for layer in (model.fc1, model.fc2)]
+        for local in bound:
+            _subclass.bind_hooks(local)
     gather = Gather()
     if cfg.get("custom"):
         for layer in (model.fc1, model.fc2):
             layer.set_custom_all_gather(gather)
-    kept_class = all(type(layer.weight.to_local()) is cls for layer in (model.fc1, model.fc2))
+    kept_class = all(type(layer.weight.to_local()) is c for layer, c in zip((model.fc1, model.fc2), classes))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     _subclass.calls.update(pre=0, post=0, post_out=0)
     _subclass.seen.meshes = []
-    for step in range(3):
-        ids, targets = batch(step, 2 * world)
-        loss_fn(ref(ids), targets).backward()
-        loss_fn(model(ids.chunk(world)[rank]).double(), targets.chunk(world)[rank]).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    _subclass.tags_seen.clear()
+    counter = CommCounter()
+    with counter.active() if count else contextlib.nullcontext():
+        for step in range(3):
+            ids, targets = batch(step, 2 * world)
+            loss_fn(ref(ids), targets).backward()
+            loss_fn(model(ids.chunk(world)[rank]).double(), targets.chunk(world)[rank]).backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            # State on the local tensor after the step, as torchao's precomputed scale is
+            # (``Stateful``; torch's lazy init may replace a padded rank's local tensor).
+            for layer in (model.fc1, model.fc2):
+                layer.weight._local_tensor.tag = step + 1
     got, want = full_params(model), full_params(ref)
     worst = _worst([(_plain(got[n]) - want[n]).abs().max().item() for n in want])
     pairs = [got[n] for n in want if isinstance(got[n], _subclass.Pair)]
@@ -117,7 +153,13 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
         # (hook calls seen on this thread, 1-D meshes of the shard dim's size among them)
         "thread_meshes": (len(meshes), sum(m.ndim == 1 and m.size() == shape[-1] for m in meshes)),
         "worst": worst,
-        "kept_class": kept_class and all(type(layer.weight.to_local()) is cls for layer in (model.fc1, model.fc2)),
+        "kept_class": kept_class
+        and all(type(layer.weight.to_local()) is c for layer, c in zip((model.fc1, model.fc2), classes))
+        # hooks bound late: still the very objects they were bound to
+        and all(layer.weight._local_tensor is t for layer, t in zip((model.fc1, model.fc2), bound)),
+        "tags_seen": list(_subclass.tags_seen),
+        # (all-gathers, their bytes) in 3 steps
+        "gathers": (counter.calls["all_gather"], counter.bytes["all_gather"]),
         "calls": dict(_subclass.calls),
         # bytes through the custom collective per call: the weights' inputs included
         "custom_bytes": max(gather.sizes, default=0),
@@ -131,7 +173,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
-    return {lib_name: {name: _run(impl(lib_name), rank, world, cfg) for name, cfg in CASES.items()} for lib_name in LIBS}
+    return {
+        lib_name: {name: _run(impl(lib_name), rank, world, cfg, count=True) for name, cfg in CASES.items()}
+        for lib_name in LIBS
+    }
 
 
 @functools.cache
@@ -149,7 +194,19 @@ def test_subclass_all_gather_extension(lib_name: str, case: str) -> None:
         calls = res["calls"]
         assert calls["pre"] >= 3 * 2 and calls["post"] + calls["post_out"] == calls["pre"], res
         assert res["pair_gap"] == 0, res
-        if CASES[case]["cls"] == "ThreadLocal":
+        if CASES[case]["cls"] == "ThreadLocal" or CASES[case].get("late"):
             assert res["thread_meshes"] == (calls["pre"], calls["pre"]), res
         if CASES[case].get("custom"):
             assert res["custom_bytes"] >= 2 * 8 * 6 * 16, res  # fc1's values (f64) and tags (i64), 2 ranks
+        if CASES[case]["cls"] == "Stateful":  # every gather of step s > 0 saw the tag set after step s-1
+            k = len(res["tags_seen"]) // 3
+            assert k and res["tags_seen"] == [None] * k + [1] * k + [2] * k, res
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_all_gather_per_group_as_torch(case: str) -> None:
+    """fc1's and fc2's groups mix extension weights with plain biases: one all-gather per
+    unshard, as torch's, of no more bytes."""
+    for out in _spawned():
+        ours, torch_s = out["fsdp2"][case]["gathers"], out["torch"][case]["gathers"]
+        assert ours[0] == torch_s[0] and ours[1] <= torch_s[1], (ours, torch_s)
