@@ -7,8 +7,9 @@ their class, and training matches local training in float64, with uneven shards,
 mixed precision on, the older one-argument signature, subclasses of two inner tensors or
 an ``__tensor_unflatten__`` of their own, hooks bound to a plain tensor after
 ``fully_shard`` (and ``to_empty``), on a 1-D mesh and on HSDP (2 x 2). A group mixing
-extension and plain parameters sends one all-gather, as torch's does: fsdp2 issues as
-many all-gathers as torch, of no more bytes, in every case."""
+extension and plain parameters sends one all-gather and one reduce, as torch's does:
+fsdp2 issues as many all-gathers as torch, of no more bytes, and no more reduces, of no
+more bytes than torch's plus its "used" flags, in every case."""
 
 from __future__ import annotations
 

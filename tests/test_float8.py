@@ -6,7 +6,8 @@ after each optimizer step (torchtitan's), and that with ``param_dtype=bfloat16``
 ``reduce_dtype=float32``, as torchtitan sets them).
 
 Per step, fsdp2 issues no more all-gathers than torch (one per group unshard: the float8
-weights and the plain biases travel together), of no more bytes, and the losses and
+weights and the plain biases travel together), of no more bytes, no more reduces (one
+per group, float8 weights' and biases' gradients together), and the losses and
 final parameters match torch's. With precompute, no scale all-reduce runs in the step
 (the hook reads the scale kept on the parameter's own local tensor: before, fsdp2 called
 it on a rebuilt tensor without the scale, and each float8 gather all-reduced its amax);
