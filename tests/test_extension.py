@@ -256,11 +256,13 @@ def _joined(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         for m in (ref, model):
             m.fc1.bias.requires_grad_(False)
     _wrap_weights(model, (_subclass.Doubled, _subclass.Doubled))
-    mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64) if cfg.get("mp") else None
+    mp = fsdp2.MixedPrecisionPolicy()
+    if cfg.get("mp"):
+        mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
     shape, names = ((2, world // 2), ("replicate", "shard")) if cfg.get("hsdp") else ((world,), ("dp",))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     for m in (model.fc1, model.fc2, model):
-        fsdp2.fully_shard(m, mesh=mesh, mp_policy=mp or fsdp2.MixedPrecisionPolicy())
+        fsdp2.fully_shard(m, mesh=mesh, mp_policy=mp)
     riders = [b for m in (model.fc1, model.fc2) for b in m._fsdp2_state.group.buckets if not b.extension]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.05)
@@ -282,14 +284,11 @@ def _joined(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         # The riders' flat gradient (the optimizer's one-tensor step) is theirs, in place.
         for b in riders:
             flat = b.commit.flat_grad()
-            if all(p.sharded.requires_grad for p in b.params):
-                flat_ok.append(
-                    flat is not None
-                    and all(
-                        torch.equal(flat[p.offset : p.offset + p.layout.local_numel], p.sharded.grad.to_local().reshape(-1))
-                        for p in b.params
-                    )
-                )
+            if flat is None or not all(p.sharded.requires_grad for p in b.params):
+                flat_ok.append(flat is None and not b.params[0].sharded.requires_grad)  # frozen: none
+                continue
+            spans = [(flat[p.offset : p.offset + p.layout.local_numel], p.sharded.grad) for p in b.params]
+            flat_ok.append(all(torch.equal(f, g.to_local().reshape(-1)) for f, g in spans))
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
