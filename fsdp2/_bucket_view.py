@@ -39,6 +39,7 @@ class BucketView(Protocol):
     regions: list[torch.Tensor]  # each sharded parameter's W x shard_numel region
     write_views: list[torch.Tensor]
     reduce: Any  # its ``BucketReduce``
+    commit: Any  # its ``GradCommit``
     in_place: Any  # its ``InPlace`` strategy, or None
     storage_lent: bool  # ``in_place`` holds the unsharded storage for a reduce
     gloo: Any  # its ``GlooStrategy``, or None off gloo

@@ -4,7 +4,9 @@ Commits accumulate into existing gradients (gradient accumulation) and keep ``.g
 a DTensor laid out like the parameter. When one commit gives every parameter of a
 bucket a fresh gradient laid out like the shards, the flat tensor behind them is
 remembered (weakly), so the optimizer can step the bucket as one tensor while each
-``.grad`` is still one of those (``fsdp2.optim.local_step``).
+``.grad`` is still one of those (``fsdp2.optim.local_step``). A reduce that carries
+other buckets' parameters (``BucketReduce.carry``) commits theirs too, and remembers
+for each of those buckets its stretch of the flat tensor.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ if TYPE_CHECKING:
 class GradCommit:
     def __init__(self, bucket: BucketView) -> None:
         self.bucket = bucket
-        # Weak: ``zero_grad(set_to_none=True)`` frees them. (flat tensor, the gradient
-        # DTensors over it in ``params`` order)
-        self._committed: tuple[weakref.ref, list[weakref.ref]] | None = None
+        # Weak: ``zero_grad(set_to_none=True)`` frees them. (flat tensor, the bucket's
+        # stretch of it as (start, numel) or None for all of it, the gradient DTensors
+        # over it in ``params`` order)
+        self._committed: tuple[weakref.ref, tuple[int, int] | None, list[weakref.ref]] | None = None
 
     def commit(self) -> None:
         """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
@@ -34,8 +37,11 @@ class GradCommit:
         b, ready = self.bucket, self.bucket.reduce.ready
         if b.offload is not None:
             b.offload.wait_host()  # the gradients' device -> host copies landed
+        riders = b.reduce.riders
         flat = None
-        if len(ready) == 1 and self._all_grads_none():
+        if riders:
+            fresh = self._fresh_stretches(ready, [b, *(r.bucket for r in riders)])
+        elif len(ready) == 1 and self.all_grads_none():
             layout, grads = ready[0][:2]
             if len(layout.params) == len(b.params):  # every parameter, at its shard offset
                 flat = grads
@@ -50,10 +56,31 @@ class GradCommit:
                 if flag > 0:
                     _accumulate_grad(p, value.view(()))
                     given.append(p)
+        if riders:
+            for bucket, start in fresh:
+                bucket.commit.remember(ready[0][1], (start, bucket.shard_numel))
         ready.clear()
         if flat is not None:
-            self._remember(flat)
+            self.remember(flat)
         run_post_accumulate_hooks(given)
+
+    def _fresh_stretches(self, ready: list, buckets: list[BucketView]) -> list[tuple[BucketView, int]]:
+        """With riders: the buckets whose parameters all get a fresh gradient laid out like
+        their shards, with where their stretch of the flat gradient starts. The layout
+        lists the buckets one after the other, each in its own order, so a bucket that
+        has every parameter there (no scalar, none frozen) sits at its own offsets from
+        its first parameter's column."""
+        if len(ready) != 1:
+            return []
+        layout = ready[0][0]
+        column = dict(zip(map(id, layout.params), layout.offsets))
+        return [
+            (bucket, column[id(bucket.params[0])])
+            for bucket in buckets
+            if not bucket.scalars
+            and all(id(p) in column for p in bucket.params)
+            and bucket.commit.all_grads_none()
+        ]
 
     def commit_direct(self, divide_factor: float, backward_ran: bool) -> None:
         """Direct mode: move the leaves' accumulated gradients into ``.grad``. When every
@@ -68,7 +95,7 @@ class GradCommit:
                 if leaf is not None and leaf.requires_grad and not p.has_unsharded_grad:
                     leaf.grad = torch.zeros_like(leaf)
         has_grads = [p.unsharded.grad is not None for p in params]  # type: ignore[union-attr]
-        if len(params) > 1 and not self.bucket.scalars and all(has_grads) and self._all_grads_none():
+        if len(params) > 1 and not self.bucket.scalars and all(has_grads) and self.all_grads_none():
             # Local tensors: a tensor-parallel leaf's gradient is a TP DTensor.
             grads = [p.take_unsharded_grad() for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
@@ -77,7 +104,7 @@ class GradCommit:
             for p in params:
                 local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
                 p.sharded.grad = p.grad_dtensor(local)  # type: ignore[union-attr]
-            self._remember(flat)
+            self.remember(flat)
             run_post_accumulate_hooks(params)
             return
         given = []
@@ -96,19 +123,24 @@ class GradCommit:
         committed = self._committed
         if committed is None:
             return None
-        for p, ref in zip(self.bucket.params, committed[1]):
+        for p, ref in zip(self.bucket.params, committed[2]):
             if p.sharded.grad is not ref() or ref() is None:  # type: ignore[union-attr]
                 return None
-        return committed[0]()
+        flat, span = committed[0](), committed[1]
+        if flat is None or span is None:
+            return flat
+        return flat[span[0] : span[0] + span[1]]  # a view each time: one kept would keep the flat alive
 
-    def _all_grads_none(self) -> bool:
+    def all_grads_none(self) -> bool:
         return all(p.sharded.grad is None for p in self.bucket.params)  # type: ignore[union-attr]
 
-    def _remember(self, flat: torch.Tensor) -> None:
+    def remember(self, flat: torch.Tensor, span: tuple[int, int] | None = None) -> None:
+        """The bucket's gradients were just made over ``flat`` (or its stretch ``span``,
+        as (start, numel)), at their shard offsets."""
         grads = [p.sharded.grad for p in self.bucket.params]  # type: ignore[union-attr]
         self._committed = None
         if all(g is not None for g in grads):
-            self._committed = (weakref.ref(flat), [weakref.ref(g) for g in grads])  # type: ignore[arg-type]
+            self._committed = (weakref.ref(flat), span, [weakref.ref(g) for g in grads])  # type: ignore[arg-type]
 
 
 def _accumulate_grad(p: FSDPParam, local: torch.Tensor) -> None:

@@ -46,6 +46,7 @@ from ._group_setup import (
     UnshardChecks,
     adoptable_replacements,
     build_buckets,
+    join_reduces,
     rebucket,
 )
 from ._mesh import MeshInfo
@@ -247,6 +248,7 @@ class ParamGroup:
             return  # another module's _apply will finish the conversion
         for b in self.buckets:
             b.rebind()
+        join_reduces(self.buckets)  # which buckets reduce alike follows their dtypes
 
     def adopt_reassigned(self) -> None:
         """At lazy init: parameters reassigned since ``fully_shard`` (``module.weight =

@@ -63,6 +63,7 @@ def build_buckets(
             not ((mp_policy.reduce_dtype or mp_policy.param_dtype) and floating),
         )
         buckets.append(bucket)
+    join_reduces(buckets)
     return join_gathers(buckets)
 
 
@@ -82,6 +83,30 @@ def join_gathers(buckets: list[FlatBucket]) -> list[FlatBucket]:
             out.remove(carrier)
             out.insert(min(out.index(r) for r in carrier.riders), carrier)
     return out
+
+
+def join_reduces(buckets: list[FlatBucket]) -> None:
+    """On each mesh with an all-gather extension, the buckets that reduce alike (the same
+    parameter dtype, hence compute dtype, and reduce dtype; no host offload) reduce as
+    one: the first one's reduce carries the others' parameters (``BucketReduce.carry``),
+    one collective as torch reduces a group's gradients together. Elsewhere (a group
+    without extensions has one bucket per mesh and dtype) each bucket reduces its own.
+    Run again when ``module._apply`` changed the buckets' dtypes (``ParamGroup.rebind``)."""
+    extension_meshes = {id(b.comm) for b in buckets if b.extension}
+    if not extension_meshes:
+        return
+    alike: dict[tuple[int, torch.dtype, torch.dtype], list[FlatBucket]] = {}
+    for b in buckets:
+        if id(b.comm) in extension_meshes and b.offload is None:
+            alike.setdefault((id(b.comm), b.dtype, b.reduce_dtype), []).append(b)
+    leads = {id(leader): riders for leader, *riders in alike.values()}
+    # A leader's ``carry`` sets its riders; the rest reduce their own. Unchanged ones
+    # are left alone (``carry`` returns at once).
+    for b in buckets:
+        if id(b) in leads:
+            b.reduce.carry([r.reduce for r in leads[id(b)]])
+        elif not any(b in riders for riders in leads.values()):
+            b.reduce.carry([])
 
 
 def rebucket(

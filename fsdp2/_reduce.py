@@ -11,6 +11,12 @@ Lifecycle (``ReduceState``): IDLE -> ACCUMULATING (gradients deposited) -> IN_FL
 (reduce issued) -> IDLE (staged for ``commit``). Large gloo buckets may deposit into
 the unsharded storage instead and reduce there (``InPlace``, the strategy that owns
 that trick).
+
+A group with all-gather extensions holds several buckets on one mesh (the extension
+parameters in buckets of their own); those that reduce alike go out as one reduce, as
+torch sends a group's gradients together: the first one's ``BucketReduce`` carries the
+others' parameters (``carry``: its ``params`` and layout span them, its ``GradCommit``
+writes their ``.grad``) and theirs reduce nothing.
 """
 
 from __future__ import annotations
@@ -90,6 +96,10 @@ class BucketReduce:
 
     def __init__(self, bucket: BucketView) -> None:
         self.bucket = bucket
+        # The parameters it reduces: its bucket's, then those of the buckets it carries
+        # (``riders``); none when another bucket's reduce carries its bucket.
+        self.params: list[FSDPParam] = bucket.params
+        self.riders: list[BucketReduce] = []
         self.state = ReduceState.IDLE
         self.deposited: list[bool] = []
         self.ready: list[Staged] = []  # reduced, not yet in ``.grad``
@@ -123,6 +133,27 @@ class BucketReduce:
             return [True] * len(self.deposited)
         return self.deposited
 
+    def carry(self, riders: list[BucketReduce]) -> None:
+        """Reduce the parameters of ``riders``' buckets with this bucket's, in one reduce
+        (buckets of one group on the same mesh, with the same parameter and reduce dtypes
+        and no host offload: ``_group_setup.join_reduces``); each rider then reduces
+        nothing. ``[]``: back to this bucket's own parameters. Set while nothing is being
+        reduced (at build, and after ``module._apply`` changed dtypes)."""
+        if riders == self.riders and (riders or self.params is self.bucket.params):
+            return
+        for r in [self, *riders]:
+            if r.state is not ReduceState.IDLE or any(r.deposited) or r.ready or r._unreplicated is not None:
+                raise RuntimeError(
+                    f"fsdp2: {r.bucket.name}: the parameters' dtypes changed while gradients were being "
+                    "accumulated without synchronization; change them only between optimizer steps"
+                )
+        self.riders = riders
+        carried = [p for r in riders for p in r.bucket.params]
+        self.params = [*self.bucket.params, *carried] if riders else self.bucket.params
+        self._layout = None
+        for r in riders:
+            r.riders, r.params, r._layout = [], [], None
+
     def _advance(self, to: ReduceState, *allowed: ReduceState) -> None:
         if self.state not in allowed:
             raise AssertionError(f"fsdp2 internal error: {self.bucket.name} reduce {self.state.name} -> {to.name}")
@@ -135,7 +166,7 @@ class BucketReduce:
 
     def refresh_layout(self) -> ReduceLayout:
         """Rebuild the layout if ``requires_grad`` flags changed (checked each forward)."""
-        params = self.bucket.params
+        params = self.params
         key = tuple(bool(p.sharded is not None and p.sharded.requires_grad) for p in params)
         if self._layout is not None and key == self._layout_key:
             return self._layout
@@ -154,9 +185,10 @@ class BucketReduce:
         return bool(layout.params or layout.scalars)
 
     def is_complete(self) -> bool:
-        """Every parameter of the bucket is reduced (none frozen)."""
+        """It reduces every parameter of its bucket (none frozen) and no other's: the
+        in-place strategy, which reduces in the bucket's own storage, may take it."""
         layout = self.layout()
-        return len(layout.params) + len(layout.scalars) == len(self.bucket.params)
+        return not self.riders and len(layout.params) + len(layout.scalars) == len(self.bucket.params)
 
     def input2d(self) -> torch.Tensor:
         """The pooled reduce input, ``W x N``, acquired on first use."""
@@ -172,7 +204,7 @@ class BucketReduce:
     # ----------------------------------------------------------------- deposit
     def has_unsharded_grads(self) -> bool:
         """Some unsharded leaf holds a gradient not yet moved into the reduce input."""
-        return any(p.has_unsharded_grad for p in self.bucket.params)
+        return any(p.has_unsharded_grad for p in self.params)
 
     def deposit_unsharded_grads(self, sync: bool = True) -> None:
         """Move the leaves' gradients into the reduce input (adding to earlier ones).
@@ -181,7 +213,7 @@ class BucketReduce:
         defer = None if sync else self.bucket.reduce_dtype
         with torch.no_grad():
             taken = []
-            for p in self.bucket.params:
+            for p in self.params:
                 grad = p.take_unsharded_grad(defer)
                 if grad is not None:
                     taken.append((p, grad))
@@ -359,7 +391,7 @@ class BucketReduce:
         pending, self._pending = self._pending, None
         in_place = self.bucket.in_place
         try:
-            for p in self.bucket.params:
+            for p in self.params:
                 p.discard_unsharded_grad()
             if pending is not None:
                 if in_place is not None and in_place.staged is not None:

@@ -224,7 +224,7 @@ def _extension_refused() -> bool:
     import fsdp2
 
     net = ext.Net(8)
-    ext._wrap_weights(net, _subclass.Doubled)
+    ext._wrap_weights(net, (_subclass.Doubled, _subclass.Doubled))
     before = dict(net.named_parameters())
     try:
         fsdp2.fully_shard(net, offload_policy=fsdp2.CPUOffloadPolicy(pin_memory=False))

@@ -7,8 +7,9 @@ their class, and training matches local training in float64, with uneven shards,
 mixed precision on, the older one-argument signature, subclasses of two inner tensors or
 an ``__tensor_unflatten__`` of their own, hooks bound to a plain tensor after
 ``fully_shard`` (and ``to_empty``), on a 1-D mesh and on HSDP (2 x 2). A group mixing
-extension and plain parameters sends one all-gather, as torch's does: fsdp2 issues as
-many all-gathers as torch, of no more bytes, in every case."""
+extension and plain parameters sends one all-gather and one reduce, as torch's does:
+fsdp2 issues as many all-gathers as torch, of no more bytes, and no more reduces, of no
+more bytes than torch's plus its "used" flags, in every case."""
 
 from __future__ import annotations
 
@@ -160,6 +161,9 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any], count: bool = Fal
         "tags_seen": list(_subclass.tags_seen),
         # (all-gathers, their bytes) in 3 steps
         "gathers": (counter.calls["all_gather"], counter.bytes["all_gather"]),
+        # (reduces, their bytes) in 3 steps, and how many parameters there are
+        "reduces": (counter.calls["reduce"], counter.bytes["reduce"]),
+        "n_params": len(list(model.parameters())),
         "calls": dict(_subclass.calls),
         # bytes through the custom collective per call: the weights' inputs included
         "custom_bytes": max(gather.sizes, default=0),
@@ -210,3 +214,111 @@ def test_one_all_gather_per_group_as_torch(case: str) -> None:
     for out in _spawned():
         ours, torch_s = out["fsdp2"][case]["gathers"], out["torch"][case]["gathers"]
         assert ours[0] == torch_s[0] and ours[1] <= torch_s[1], (ours, torch_s)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_reduce_per_group_as_torch(case: str) -> None:
+    """A group of extension weights and plain biases reduces its gradients in one
+    collective, as torch's does (before, one per bucket: 2 or 3 per group). Bytes: no
+    more than torch's plus fsdp2's "used" flags, one float64 per parameter per rank
+    (per reduce, each parameter's flag travels once: ``3 steps x W x n_params x 8``)."""
+    for out in _spawned():
+        ours, torch_s = out["fsdp2"][case]["reduces"], out["torch"][case]["reduces"]
+        flags = 3 * WORLD * out["fsdp2"][case]["n_params"] * 8
+        assert ours[0] <= torch_s[0] and ours[1] <= torch_s[1] + flags, (ours, torch_s, flags)
+
+
+# The joined reduce's corners (``BucketReduce.carry``): each a fully_shard of fc1 and fc2
+# (Doubled weights, plain biases: two buckets, one reduce) against float64 local training.
+JOINED = {
+    "plain": {},
+    # accumulated without synchronization in the reduce dtype (float64, not the float32
+    # compute dtype): the leader defers its riders' gradients too
+    "accumulate_mp": {"mp": True, "micro": 2, "tol": 1e-5},
+    "frozen_bias": {"frozen": True},  # a rider's parameter left out of the layout
+    "hsdp_accumulate": {"hsdp": True, "micro": 2},  # set_requires_all_reduce(False) first
+    # gloo's in-place strategy applies to the bias buckets: they ride, so they must not lend
+    "in_place": {"in_place": True},
+}
+
+
+def _joined(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import fsdp2
+    from _models import force_in_place
+
+    if cfg.get("in_place"):
+        force_in_place()  # this rank's process only, and the last scenario
+    torch.manual_seed(0)
+    ref = Net(7).double()
+    model = Net(7).double()
+    model.load_state_dict(ref.state_dict())
+    if cfg.get("frozen"):
+        for m in (ref, model):
+            m.fc1.bias.requires_grad_(False)
+    _wrap_weights(model, (_subclass.Doubled, _subclass.Doubled))
+    mp = fsdp2.MixedPrecisionPolicy()
+    if cfg.get("mp"):
+        mp = fsdp2.MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    shape, names = ((2, world // 2), ("replicate", "shard")) if cfg.get("hsdp") else ((world,), ("dp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    for m in (model.fc1, model.fc2, model):
+        fsdp2.fully_shard(m, mesh=mesh, mp_policy=mp)
+    riders = [b for m in (model.fc1, model.fc2) for b in m._fsdp2_state.group.buckets if not b.extension]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.05)
+    micro, reduces, flat_ok = cfg.get("micro", 1), [], []
+    for step in range(3):
+        ids, targets = batch(step, 2 * micro * world)
+        loss_fn(ref(ids), targets).backward()
+        counter = CommCounter()
+        with counter.active():
+            shards = list(zip(ids.chunk(world)[rank].chunk(micro), targets.chunk(world)[rank].chunk(micro)))
+            for mb, (i, t) in enumerate(shards):
+                last = mb == micro - 1
+                if cfg.get("hsdp"):
+                    model.set_requires_all_reduce(last)
+                else:
+                    model.set_requires_gradient_sync(last)
+                (loss_fn(model(i).double(), t) / micro).backward()
+        reduces.append(counter.calls["reduce"])
+        # The riders' flat gradient (the optimizer's one-tensor step) is theirs, in place.
+        for b in riders:
+            flat = b.commit.flat_grad()
+            if flat is None or not all(p.sharded.requires_grad for p in b.params):
+                flat_ok.append(flat is None and not b.params[0].sharded.requires_grad)  # frozen: none
+                continue
+            spans = [(flat[p.offset : p.offset + p.layout.local_numel], p.sharded.grad) for p in b.params]
+            flat_ok.append(all(torch.equal(f, g.to_local().reshape(-1)) for f, g in spans))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    got, want = full_params(model), full_params(ref)
+    return {
+        "worst": _worst([(_plain(got[n]) - want[n]).abs().max().item() for n in want]),
+        "reduces": reduces,
+        "flat_ok": flat_ok,
+        "riders_in_place": all(b.in_place is not None for b in riders),
+    }
+
+
+@functools.cache
+def _joined_spawned() -> dict[str, list[dict[str, Any]]]:
+    from _dist import run_scenarios
+
+    return run_scenarios(WORLD, {name: (_joined, (cfg,)) for name, cfg in JOINED.items()})
+
+
+@pytest.mark.parametrize("case", list(JOINED))
+def test_joined_reduce(case: str) -> None:
+    """Matches local training; one reduce per group (fc1, fc2, the root) each time
+    gradients are reduced, as torch's: once a step, or with HSDP's
+    ``set_requires_all_reduce(False)`` a reduce-scatter each micro-batch and the
+    all-reduce once; the riders' flat gradients hold their parameters' gradients."""
+    cfg = JOINED[case]
+    groups, micro = 3, cfg.get("micro", 1)
+    want = groups * (micro + 1) if cfg.get("hsdp") else groups
+    for out in _joined_spawned()[case]:
+        assert out["worst"] <= cfg.get("tol", 1e-12), out
+        assert out["reduces"] == [want] * 3, out
+        assert out["flat_ok"] and all(out["flat_ok"]), out
+        assert out["riders_in_place"] == bool(cfg.get("in_place")), out

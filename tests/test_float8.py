@@ -6,7 +6,8 @@ after each optimizer step (torchtitan's), and that with ``param_dtype=bfloat16``
 ``reduce_dtype=float32``, as torchtitan sets them).
 
 Per step, fsdp2 issues no more all-gathers than torch (one per group unshard: the float8
-weights and the plain biases travel together), of no more bytes, and the losses and
+weights and the plain biases travel together), of no more bytes, no more reduces (one
+per group, float8 weights' and biases' gradients together), and the losses and
 final parameters match torch's. With precompute, no scale all-reduce runs in the step
 (the hook reads the scale kept on the parameter's own local tensor: before, fsdp2 called
 it on a rebuilt tensor without the scale, and each float8 gather all-reduced its amax);
@@ -121,7 +122,7 @@ def _train(lib: Any, model: Net, rank: int, world: int, recipe: dict[str, Any]) 
             "scale_all_reduces": scales.count, "precompute_all_reduces": precomputes.count,
         })
     params = {n: _plain(p.full_tensor()).detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "per_step": per_step}
+    return {"losses": losses, "params": params, "per_step": per_step, "n_params": len(params)}
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -181,3 +182,17 @@ def test_float8_communication_as_torch(world: int, recipe: str) -> None:
                 assert ours["scale_all_reduces"] == 0 == theirs["scale_all_reduces"], (step, ours, theirs)
             else:
                 assert ours["scale_all_reduces"] >= 2 * BLOCKS, (step, ours)  # the count sees them
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_float8_reduces_as_torch(world: int, recipe: str) -> None:
+    """Per step: no more reduces than torch's, one per group (a block's float8 weights
+    and plain biases reduce together: before, one reduce per bucket, 9 against 5), of no
+    more bytes than torch's plus fsdp2's "used" flags (one float32 per parameter, in each
+    of the ``world`` rows: ``world x n_params x 4`` bytes a step)."""
+    for out in _at(world)[recipe]:
+        flags = world * out["fsdp2"]["n_params"] * 4
+        for step, (ours, theirs) in enumerate(zip(out["fsdp2"]["per_step"], out["torch"]["per_step"])):
+            assert ours["reduces"] <= theirs["reduces"] == BLOCKS + 1, (step, ours, theirs)
+            assert ours["reduce_bytes"] <= theirs["reduce_bytes"] + flags, (step, ours, theirs, flags)
