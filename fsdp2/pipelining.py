@@ -30,6 +30,9 @@ Per step, on each stage:
                            gradient scaling.
 
 ``adapt_stage(stage)`` does the same for a stage built another way (``build_stage``).
+The stage may be built before its module is sharded (torchtitan's ``pipeline_llm`` builds
+each stage on the unsharded chunk, then applies ``fully_shard``): it finds its groups at
+each call, not at construction.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ class _Fsdp2Stage(_PipelineStageBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _mark(self.submod)
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        _mark(self.submod)  # sharded after the stage was built (torchtitan's pipeline_llm)
+        return super().forward_maybe_with_nosync(*args, **kwargs)  # type: ignore[misc]
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        """The schedule's first call: shape inference runs a real forward."""
+        _mark(self.submod)
+        return super()._prepare_forward_infra(*args, **kwargs)  # type: ignore[misc]
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         groups = groups_under(self.submod)
@@ -105,7 +117,10 @@ def adapt_stage(stage: Any) -> Any:
 
 
 def _mark(submod: nn.Module) -> None:
-    """Tell the stage's groups who drives them (else their first forward refuses to run)."""
+    """Tell the stage's groups who drives them (else their first forward refuses to run).
+    At construction and again before every forward: a stage may be built before its
+    module is sharded (torchtitan's ``pipeline_llm`` shards each chunk after building its
+    stage, then reassigns ``stage.submod``)."""
     for g in groups_under(submod):
         g.in_pipeline_stage = True
 

@@ -123,11 +123,14 @@ def _run(lib_name: str, schedule: str, raf: bool | None, rank: int, adapter: str
     modules, stages = [], []
     for index in mine:
         module = Stage(full, index, count)
+        if adapter == "stage_first":  # torchtitan's pipeline_llm: the stage, then fully_shard
+            stages.append(make_stage(module, index, count, torch.device("cpu"), group=mesh["pp"].get_group()))
         for block in module.blocks:
             lib.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=raf)
         lib.fully_shard(module, mesh=mesh["dp"], reshard_after_forward=raf)
         modules.append(module)
-        stages.append(make_stage(module, index, count, torch.device("cpu"), group=mesh["pp"].get_group()))
+        if adapter != "stage_first":
+            stages.append(make_stage(module, index, count, torch.device("cpu"), group=mesh["pp"].get_group()))
     schedule_cls = getattr(pp, "Schedule" + schedule)
     runner = schedule_cls(stages if count == 4 else stages[0], n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=0.05, weight_decay=0.1)
@@ -207,3 +210,16 @@ def test_adapt_stage_and_the_error_without_it() -> None:
         assert out["unadapted"] != "ran", out
     for out in results[:2]:  # pp rank 0: the stage that runs forward first
         assert "fsdp2.pipelining.PipelineStage" in out["unadapted"], out["unadapted"]
+
+
+def _stage_first_worker(rank: int, world: int) -> dict[str, Any]:
+    return _run("fsdp2", "Interleaved1F1B", None, rank, adapter="stage_first")
+
+
+def test_stage_built_before_fully_shard() -> None:
+    """torchtitan's ``pipeline_llm`` builds each ``PipelineStage`` on the unsharded chunk and
+    shards it afterwards: the stage still drives (and reduces) the groups created since."""
+    for rank, run in enumerate(run_ranks(_stage_first_worker, 4, timeout=240)):
+        assert run["worst"] <= 1.0, (rank, run)
+        for step in run["counts"]:
+            assert step.get("reduce", 0) == run["groups"], (rank, run)
