@@ -90,7 +90,7 @@ def ffn_hidden_dim(dim: int, multiple_of: int = 8) -> int:
     return -(-int(8 * dim / 3) // multiple_of) * multiple_of
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
@@ -123,7 +123,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here and resume from the latest")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (needs --ckpt-dir)")
     p.add_argument("--final-params", default=None, help="rank 0 saves the full final parameters here (torch.save)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.save_every and not args.ckpt_dir:
         p.error("--save-every needs --ckpt-dir")
     if args.pp > 1 and args.ac == "selective" and args.pp_schedule in SPLIT_BACKWARD:
@@ -238,7 +238,9 @@ def setup() -> torch.device:
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
     backend = "nccl" if use_cuda else "gloo"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None:
+    if dist.is_initialized():
+        pass  # the caller's process group (``main`` called in-process, as the tests do)
+    elif restart is None:
         dist.init_process_group(backend)
     else:
         # After a torchrun restart the rendezvous store still holds the previous
@@ -557,8 +559,8 @@ def save_full_params(model: nn.Module, path: str, pp: int) -> None:
         torch.save(dict(sorted(full.items())) if pp > 1 else full, path)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     device = setup()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.pp:
@@ -615,6 +617,10 @@ def main() -> None:
     if args.final_params:
         save_full_params(model, args.final_params, args.pp)
     dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
     dist.destroy_process_group()
     # torch 2.13's gloo worker threads can still hold async work objects when the
     # interpreter finalizes, which aborts the process ("terminate called without an
@@ -622,7 +628,3 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -70,7 +70,7 @@ def _context() -> Any:
     at import (``TORCH_LOGS``, ...) is fixed when the server starts: pass ``fresh=True``
     to a run that sets such variables."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo"])
     return ctx
 
 

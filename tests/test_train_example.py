@@ -5,6 +5,8 @@ train like the plain one."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -12,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from _dist import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "16", "--batch-size", "2"]
@@ -57,12 +60,29 @@ def tested_flag_sets() -> list[tuple[list[str], bool]]:
 
 
 def _torchrun(*args: str, env: dict[str, str] | None = None, restarts: int = 0, nproc: int = 2) -> str:
+    """examples/train.py on ``nproc`` ranks: its ranks' output. Under torchrun when it must
+    restart a rank or set the environment; otherwise ``main(argv)`` in ranks forked from
+    the test helper's server, which has torch imported already (torchrun's fresh
+    interpreters import torch and fsdp2 again: seconds of CPU per rank, most of a run)."""
+    if restarts == 0 and env is None:
+        return "".join(run_ranks(_example_rank, nproc, [*SMALL, *args], timeout=300))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            f"--max-restarts={restarts}", os.path.join(ROOT, "examples", "train.py"), *SMALL, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
+
+
+def _example_rank(rank: int, world: int, argv: list[str]) -> str:
+    """One rank of the example, in this process's (gloo) process group; what it printed."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main(argv)
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
