@@ -31,9 +31,10 @@ class GradCommit:
         # over it in ``params`` order)
         self._committed: tuple[weakref.ref, tuple[int, int] | None, list[weakref.ref]] | None = None
 
-    def commit(self) -> None:
+    def commit(self) -> list[FSDPParam]:
         """Accumulate the staged gradients into ``.grad``. Runs at the end of a backward
-        that completed, so a backward that raised leaves ``.grad`` as it was."""
+        that completed, so a backward that raised leaves ``.grad`` as it was. Returns the
+        parameters given a gradient (their post-accumulate hooks run after every commit)."""
         b, ready = self.bucket, self.bucket.reduce.ready
         if b.offload is not None:
             b.offload.wait_host()  # the gradients' device -> host copies landed
@@ -62,7 +63,7 @@ class GradCommit:
         ready.clear()
         if flat is not None:
             self.remember(flat)
-        run_post_accumulate_hooks(given)
+        return given
 
     def _fresh_stretches(self, ready: list, buckets: list[BucketView]) -> list[tuple[BucketView, int]]:
         """With riders: the buckets whose parameters all get a fresh gradient laid out like
@@ -82,7 +83,7 @@ class GradCommit:
             and bucket.commit.all_grads_none()
         ]
 
-    def commit_direct(self, divide_factor: float, backward_ran: bool) -> None:
+    def commit_direct(self, divide_factor: float, backward_ran: bool) -> list[FSDPParam]:
         """Direct mode: move the leaves' accumulated gradients into ``.grad``. When every
         parameter got one and none had one yet, they go into one flat tensor laid out like
         the shards, so the optimizer can step the bucket as one tensor. With the reduce's
@@ -105,8 +106,7 @@ class GradCommit:
                 local = flat[p.offset : p.offset + p.shard_numel].view(p.local_shape)
                 p.sharded.grad = p.grad_dtensor(local)  # type: ignore[union-attr]
             self.remember(flat)
-            run_post_accumulate_hooks(params)
-            return
+            return list(params)
         given = []
         for p in params:
             grad = p.take_unsharded_grad()
@@ -115,7 +115,7 @@ class GradCommit:
                     grad.div_(divide_factor)
                 _accumulate_grad(p, grad)
                 given.append(p)
-        run_post_accumulate_hooks(given)
+        return given
 
     def flat_grad(self) -> torch.Tensor | None:
         """The flat gradient of the last fresh commit while every parameter's ``.grad`` is
@@ -157,7 +157,8 @@ def run_post_accumulate_hooks(params: list[FSDPParam]) -> None:
     """The hooks registered with ``register_post_accumulate_grad_hook`` on the sharded
     parameters: autograd never accumulates into those (it accumulates into the unsharded
     ones), so they run here, once the reduced gradient is in ``.grad`` (as torch's
-    ``fully_shard`` runs them after its reduce-scatter). A hook may step an optimizer and
+    ``fully_shard`` runs them after its reduce-scatter), after every group committed and
+    resharded (a hook that raises leaves no group half done). A hook may step an optimizer and
     clear ``.grad`` (optimizer in backward); the bucket's flat gradient is remembered
     before, and ``flat_grad`` notices a ``.grad`` that changed."""
     for p in params:

@@ -183,6 +183,9 @@ class ExtensionGather:
             for buf in self._buffers or ():
                 if buf is not None:
                     self.bucket.comm.pool.release(buf)
+            for r in self._riding:  # riders' hook inputs (e.g. float8 data) go too
+                if r.extension_gather is not None:
+                    r.extension_gather._sent = []
             self._buffers, self._sent, self._riding = None, [], []
 
 

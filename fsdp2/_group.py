@@ -259,7 +259,10 @@ class ParamGroup:
         the hooks at lazy init)."""
         if adoptable_replacements(self.params):
             self.rebind()
-        gained = [p for p in self.params if p.gained_extension()]  # each one checked, and moved
+        # Every parameter checked before any moves (a refused one leaves the group as it was).
+        gained = [(p, wrapper) for p in self.params for found, wrapper in [p.gained_extension()] if found]
+        for p, wrapper in gained:
+            p.take_extension(wrapper)
         if gained:
             self.reshard()
             self.checks.forget()
@@ -272,6 +275,9 @@ class ParamGroup:
         ctx = self.ctx
         assert ctx is not None, "fsdp2 internal error: forward before lazy init"
         recompute = ctx.in_backward  # activation checkpointing re-runs forward in backward
+        # The group's forward begins (not a later module of the same group forward, e.g.
+        # the head of [final norm, embedding, head]: its next group ran and was freed).
+        begins = self.training_state is not TrainingState.FORWARD or id(module) in self._forwarded
         if not recompute:
             self.training_state = TrainingState.FORWARD
             ctx.record_forward(self)
@@ -289,7 +295,7 @@ class ParamGroup:
         self.wait_for_unshard()
         # Issued after our wait: the gather queue was busy with ours until now anyway,
         # and the prefetch can take the buffer ours just released.
-        if not recompute:  # a recompute runs backward's order: the next layer is done
+        if not recompute and begins:  # a recompute runs backward's order: the next layer is done
             for target in ctx.forward_prefetch_targets(self):
                 target.unshard()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:

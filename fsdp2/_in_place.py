@@ -37,7 +37,8 @@ from ._collectives import (
     wait_future,
 )
 from ._param import FSDPParam
-from ._reduce import BucketReduce, ReduceLayout, Staged, stage, write
+from ._reduce import BucketReduce, Staged, stage, write
+from ._reduce_layout import ReduceLayout
 
 if TYPE_CHECKING:
     from ._bucket_view import BucketView

@@ -126,18 +126,23 @@ class FSDPParam:
         self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
         self._tp_pending: DTensor | None = None  # TP gradient kept Partial while accumulating
 
-    def gained_extension(self) -> bool:
-        """At lazy init: its local tensor gained all-gather hooks since ``fully_shard``
-        (``late_wrapper``); from now on it gathers through them. The caller re-buckets it."""
+    def gained_extension(self) -> tuple[bool, Any]:
+        """At lazy init: whether its local tensor gained all-gather hooks since
+        ``fully_shard``, and the wrapper to gather it through (``late_wrapper``). Only
+        checks (raising on what cannot be gathered): ``take_extension`` moves it, once
+        every parameter of the group passed."""
         if self.extension or self.sharded is None:
-            return False
+            return False, None
         local = self.sharded._local_tensor  # type: ignore[attr-defined]
         if not has_extension(local):
-            return False
+            return False, None
         _check_extension_param(self.fqn, self.sharded if self.tp is not None else local, self.layout.dim)
-        self.extension, self.wrapper = True, late_wrapper(self.fqn, local)
-        self.dispatched = self.wrapper is None
-        return True
+        return True, late_wrapper(self.fqn, local)
+
+    def take_extension(self, wrapper: Any) -> None:
+        """From now on it gathers through its hooks; the caller re-buckets it."""
+        self.extension, self.wrapper = True, wrapper
+        self.dispatched = wrapper is None
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the parameter's value ``full``: its own local tensor (a TP

@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from ._bucket import FlatBucket
+from ._commit import run_post_accumulate_hooks
 from ._group import ParamGroup, ShardState, TrainingState
 from ._shared import raise_deferred
 from .optim import local_step
@@ -75,7 +76,6 @@ class FSDPState:
             if any(g.unfinished_steps for g in ctx.groups):
                 local_step.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
             ctx.start_iteration()
-            ctx.forwarded.clear()
         if not ctx.in_backward:  # a recompute may stop early, without its post_forward
             ctx.active_forwards += 1
         return self.group.pre_forward(self.module, args, kwargs)
@@ -103,9 +103,6 @@ class RootContext:
         self.active_forwards = 0  # pre_forwards without their post_forward yet
         self.forward_order: list[ParamGroup] = []
         self.order_frozen = False
-        # Groups whose forward ran in the current forward pass (since the root's
-        # pre_forward): the recorded order's prefetch skips them.
-        self.forwarded: set[int] = set()
         self.pending_reduces: deque[tuple[ParamGroup, FlatBucket]] = deque()
 
     @staticmethod
@@ -161,7 +158,6 @@ class RootContext:
             self.reset()
 
     def record_forward(self, group: ParamGroup) -> None:
-        self.forwarded.add(id(group))
         if not self.order_frozen and group.order_index < 0:
             group.order_index = len(self.forward_order)
             self.forward_order.append(group)
@@ -169,7 +165,6 @@ class RootContext:
     def end_forward(self) -> None:
         """After the root's forward: the order is known; free prefetched, unused groups."""
         self.order_frozen = True
-        self.forwarded.clear()
         for g in self.groups:
             if (
                 g is not self.root
@@ -185,11 +180,7 @@ class RootContext:
         i = group.order_index
         if not self.order_frozen or i < 0 or i + 1 >= len(self.forward_order):
             return []
-        # Not a group that ran already in this pass: a group of several modules (e.g.
-        # [final norm, embedding, output head], tied) runs forward again after its next
-        # group was freed, which would gather that one once more for nothing.
-        target = self.forward_order[i + 1]
-        return [] if id(target) in self.forwarded else [target]
+        return [self.forward_order[i + 1]]
 
     def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
         # Never one whose backward already started (the root): it was gathered then, and
@@ -304,19 +295,21 @@ class RootContext:
         if self.root.is_last_backward:
             while self.pending_reduces:
                 self._finish_oldest_reduce()
+        given: list = []  # parameters given a gradient: their post-accumulate hooks run last
         for g in self.groups:
             if g.direct:
                 g.forget_calls()
                 if g.requires_gradient_sync:
                     ran = g.training_state is TrainingState.PRE_BACKWARD
                     for b in g.buckets:
-                        b.commit.commit_direct(g.divide_factor(b), ran)
+                        given += b.commit.commit_direct(g.divide_factor(b), ran)
             for b in g.buckets:
-                b.commit.commit()
+                given += b.commit.commit()
             g.held_by_user = False  # an unshard() window ends with the backward
             if g.reshard_after_backward:
                 g.reshard()
             g.training_state = TrainingState.IDLE
+        run_post_accumulate_hooks(given)
 
     def reset(self) -> None:
         """Back to a clean step after an exception in forward or backward."""

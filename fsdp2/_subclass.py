@@ -85,7 +85,8 @@ def late_wrapper(fqn: str, local: torch.Tensor) -> SubclassWrapper | KeepObject 
     hooks bound to the object itself (instance methods, as torch's tests monkey-patch
     them) keep that object (``KeepObject``, plain tensors only); hooks its class gained
     are handled as at ``fully_shard`` (a ``SubclassWrapper``, or None: its own ops)."""
-    if "fsdp_pre_all_gather" not in vars(local):
+    own = vars(local)
+    if "fsdp_pre_all_gather" not in own and "fsdp_post_all_gather" not in own:
         return SubclassWrapper.of(local)
     if type(local) is torch.Tensor:
         return KeepObject(local)

@@ -37,9 +37,11 @@ modules, and only to rebind their names.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import runpy
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -78,8 +80,10 @@ class Patch:
     def undo(self) -> None:
         """Put torch's objects back where ``apply`` replaced them (a no-op the second time)."""
         global _ACTIVE
+        ours_of = {id(t): o for t, o in self.swaps.values()}
         for module, attr, theirs in reversed(self.bound):
-            setattr(module, attr, theirs)
+            if getattr(module, attr, None) is ours_of[id(theirs)]:  # not rebound by someone since
+                setattr(module, attr, theirs)
         self.bound.clear()
         ours = {id(o): t for t, o in self.swaps.values()}
         for name in set(sys.modules) - self.modules_before:  # torch modules imported while applied
@@ -95,6 +99,9 @@ class Patch:
 
 # process-wide: torch's module attributes are process-wide, so is the patch of them.
 _ACTIVE: Patch | None = None
+_LOCK = threading.Lock()
+_OPEN = 0  # ``applied()`` blocks open now
+_OWNED = False  # the open blocks applied the patch (it was not applied before them)
 
 
 def apply() -> Patch:
@@ -106,8 +113,12 @@ def apply() -> Patch:
         _ACTIVE.rebind()
         return _ACTIVE
     patch = Patch(_swaps())
-    changed = patch.rebind()
-    _ACTIVE = patch
+    _ACTIVE = patch  # before rebinding: undo() reaches whatever a failing rebind changed
+    try:
+        changed = patch.rebind()
+    except BaseException:
+        patch.undo()
+        raise
     if os.environ.get("RANK", "0") == "0":
         _announce(patch, changed)
     return patch
@@ -125,14 +136,21 @@ def is_applied() -> bool:
 
 @contextlib.contextmanager
 def applied() -> Iterator[Patch]:
-    """``apply()`` for a ``with`` block: undone on exit, unless it was applied before."""
-    before = _ACTIVE is not None
-    patch = apply()
+    """``apply()`` for a ``with`` block: undone when the last open block exits (blocks
+    nest, also across threads, e.g. one rank per thread), unless it was applied before."""
+    global _OPEN, _OWNED
+    with _LOCK:
+        if _OPEN == 0:
+            _OWNED = _ACTIVE is None
+        patch = apply()
+        _OPEN += 1
     try:
         yield patch
     finally:
-        if not before:
-            patch.undo()
+        with _LOCK:
+            _OPEN -= 1
+            if _OPEN == 0 and _OWNED:
+                patch.undo()
 
 
 def _swaps() -> dict[int, tuple[Any, Any]]:
@@ -157,9 +175,19 @@ def _bindings(module: Any, name: str, swaps: dict[int, tuple[Any, Any]]) -> list
     except Exception:  # noqa: BLE001 - a lazy or proxy module that refuses vars()
         return []
     if found and (name == "torch" or name.startswith("torch.")):
+        if not _public_torch(name):
+            return []  # torch's private modules stay torch's (dynamo's guards read them by path)
         read = _names_read(module)
         found = [(k, v) for k, v in found if k not in read]
     return found
+
+
+# Private paths torch documents for these names (deprecated, still imported by clients).
+PRIVATE_PUBLIC = ("torch.distributed._composable.fsdp", "torch.distributed._composable.fsdp.fully_shard")
+
+
+def _public_torch(name: str) -> bool:
+    return name in PRIVATE_PUBLIC or not any(part.startswith("_") for part in name.split("."))
 
 
 def _names_read(module: types.ModuleType) -> set[str]:
@@ -172,21 +200,27 @@ def _names_read(module: types.ModuleType) -> set[str]:
     seen: set[int] = set()
     while todo:
         obj = todo.pop()
-        if id(obj) in seen:
+        if obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
         if isinstance(obj, types.CodeType):
             if obj.co_filename == path:
                 names.update(obj.co_names)
+                # ``globals()["fully_shard"]`` and ``getattr(mod, "fully_shard")`` read by string.
+                names.update(c for c in obj.co_consts if isinstance(c, str) and c.isidentifier())
                 todo.extend(c for c in obj.co_consts if isinstance(c, types.CodeType))
         elif isinstance(obj, types.FunctionType):
             cells = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
             todo.extend([obj.__code__, getattr(obj, "__wrapped__", None), *cells])
-        elif isinstance(obj, (staticmethod, classmethod)):
+        elif isinstance(obj, (staticmethod, classmethod, types.MethodType)):
             todo.append(obj.__func__)
+        elif isinstance(obj, (functools.partial, functools.cached_property)):
+            todo.append(obj.func)
+        elif isinstance(obj, functools._lru_cache_wrapper):  # type: ignore[attr-defined]
+            todo.append(obj.__wrapped__)
         elif isinstance(obj, property):
             todo.extend((obj.fget, obj.fset, obj.fdel))
-        elif isinstance(obj, type) and obj.__module__.startswith("torch"):
+        elif isinstance(obj, type) and str(getattr(obj, "__module__", "")).startswith("torch"):
             todo.extend(vars(obj).values())
     return names
 

@@ -50,7 +50,9 @@ def _long_run(rank: int, world: int) -> dict:
 
 def test_long_run_keeps_objects_and_memory_flat() -> None:
     for out in run_ranks(_long_run, 2, timeout=600):
-        assert out["objects"] <= 0, out
+        # A leak of one object a step would show ~1000; a few may be in flight at the count
+        # when another test file runs beside this one (pytest-xdist).
+        assert out["objects"] < 50, out
         assert out["rss_mb"] < 4.0, out
 
 

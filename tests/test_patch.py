@@ -15,6 +15,8 @@ zero-bubble schedule torch's own ``fully_shard`` trains wrongly. The launcher it
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -35,10 +37,9 @@ import fsdp2.patch
 
 TESTS = pathlib.Path(__file__).resolve().parent
 ROOT = TESTS.parent
-TORCH_NAMESPACES = (
-    "torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard", "torch.distributed._composable.fsdp",
-    "torch.distributed.pipelining",
-)
+TORCH_NAMESPACES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp", "torch.distributed.pipelining")
+# Private torch modules keep torch's objects (dynamo's guards read them by this path).
+TORCH_PRIVATE = ("torch.distributed.fsdp._fully_shard",)
 
 
 def _torch_objects() -> dict[str, Any]:
@@ -108,8 +109,10 @@ def test_apply_rebinds_everywhere_and_undo_restores(capsys: pytest.CaptureFixtur
         assert torch_pp.PipelineStage is fsdp2.pipelining.PipelineStage
         assert sys.modules["torch.distributed.pipelining.stage"].PipelineStage is fsdp2.pipelining.PipelineStage
         assert client.fully_shard is fsdp2.fully_shard and client.Policy is fsdp2.MixedPrecisionPolicy
-        # torch's implementation keeps what its own code reads.
+        # torch's implementation keeps what its own code reads, and its private modules all.
         assert impl.FSDPModule is torch_module_cls and impl.fully_shard is torch_fully_shard
+        for namespace in TORCH_PRIVATE:
+            assert importlib.import_module(namespace).FSDPModule is torch_module_cls, namespace
         assert sys.modules["torch.distributed.pipelining.stage"].FSDPModule is torch_module_cls
         late = types.ModuleType("imported_after_apply")
         late.FSDPModule = torch_module_cls
@@ -139,6 +142,82 @@ def test_applied_context_and_quiet_ranks(capsys: pytest.CaptureFixture, monkeypa
         assert torch_fsdp.fully_shard is fsdp2.fully_shard and patch.is_active
     assert torch_fsdp.fully_shard is original and not patch.is_active
     assert "fsdp2.patch" not in capsys.readouterr().err  # only rank 0 speaks
+
+
+_FAKE_TORCH_MODULE = """
+import functools
+import importlib
+import importlib.util
+from torch.distributed.fsdp import FSDPModule, fully_shard, MixedPrecisionPolicy, OffloadPolicy
+
+def by_string():
+    return globals()["fully_shard"]
+
+@functools.lru_cache
+def cached():
+    return isinstance(None, FSDPModule)
+
+def _policy(x):
+    return MixedPrecisionPolicy
+
+partial = functools.partial(_policy, 1)
+"""
+
+
+def test_torch_code_reading_names_indirectly_keeps_them(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch module whose code reads the names by string, through ``lru_cache`` or a
+    ``functools.partial`` keeps torch's objects; what no code of it reads is rebound."""
+    path = tmp_path / "zz_fake.py"
+    path.write_text(_FAKE_TORCH_MODULE)
+    spec = importlib.util.spec_from_file_location("torch.zz_fake", path)
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    monkeypatch.setitem(sys.modules, "torch.zz_fake", fake)
+    with fsdp2.patch.applied():
+        assert fake.fully_shard is not fsdp2.fully_shard  # read through globals()["fully_shard"]
+        assert fake.FSDPModule is not fsdp2.FSDPModule  # read inside an lru_cache function
+        assert fake.MixedPrecisionPolicy is not fsdp2.MixedPrecisionPolicy  # inside a partial's function
+        assert fake.OffloadPolicy is fsdp2.OffloadPolicy  # read by no code of the module
+
+
+def test_a_failing_apply_leaves_torch_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _bindings()
+
+    class Refuses(types.ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            raise RuntimeError("read-only module")
+
+    refuses = Refuses("zz_refuses")
+    object.__setattr__(refuses, "fully_shard", TORCH_OBJECTS["fully_shard"])
+    monkeypatch.setitem(sys.modules, "zz_refuses", refuses)
+    with pytest.raises(RuntimeError, match="read-only module"):
+        fsdp2.patch.apply()
+    assert not fsdp2.patch.is_applied()
+    monkeypatch.delitem(sys.modules, "zz_refuses")
+    assert _bindings() == before
+
+
+def test_applied_blocks_nest_across_threads() -> None:
+    import threading
+
+    import torch.distributed.fsdp as torch_fsdp
+
+    original = torch_fsdp.fully_shard
+    inside, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with fsdp2.patch.applied():
+            inside.set()
+            leave.wait(10)
+
+    with fsdp2.patch.applied():
+        thread = threading.Thread(target=other)
+        thread.start()
+        inside.wait(10)
+    assert torch_fsdp.fully_shard is fsdp2.fully_shard  # the other thread's block is still open
+    leave.set()
+    thread.join()
+    assert torch_fsdp.fully_shard is original
 
 
 # ----------------------------------------------------------------- 2 ranks
