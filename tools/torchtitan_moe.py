@@ -302,15 +302,7 @@ def main() -> int:
     reference.init_weights(buffer_device=None)
     full = {k: v.detach().clone() for k, v in [*reference.named_parameters(), *reference.named_buffers()]}
 
-    results: dict[str, Any] = {}
-    for lib in ["torch", "fsdp2"] if args.lib == "both" else [args.lib]:
-        if dist.get_rank() == 0:
-            print(f"-- {lib} run", file=sys.stderr, flush=True)  # tells which run a crash hit
-        try:
-            results[lib] = run(args, lib, dims, full)
-        except Exception:  # noqa: BLE001 - reported, and the other library still runs
-            results[lib] = traceback.format_exc()
-        dist.barrier()
+    results = run_libraries(run, args, dims, full)
     ok = True
     if dist.get_rank() == 0:
         print(f"== {args.model} ep={args.ep} dp_replicate={args.dp_replicate} ac={args.ac} "
@@ -324,6 +316,23 @@ def main() -> int:
     dist.broadcast(flag, 0)
     dist.destroy_process_group()
     return 0 if flag.item() else 1
+
+
+def run_libraries(run: Any, args: Any, dims: Any, full: dict) -> dict[str, Any]:
+    """``run(args, lib, dims, full)`` for torch's ``fully_shard`` then fsdp2 (or the one
+    ``--lib`` names): each library's result, or the traceback of its failure."""
+    results: dict[str, Any] = {}
+    for lib in ["torch", "fsdp2"] if args.lib == "both" else [args.lib]:
+        if dist.get_rank() == 0:
+            print(f"-- {lib} run", file=sys.stderr, flush=True)  # tells which run a crash hit
+        try:
+            results[lib] = run(args, lib, dims, full)
+        except Exception:  # noqa: BLE001 - reported, and the other library still runs
+            results[lib] = traceback.format_exc()
+            # now: a peer waiting on this rank's pipeline sends may hang before the report
+            print(f"rank {dist.get_rank()} {lib} FAILED:\n{results[lib]}", file=sys.stderr, flush=True)
+        dist.barrier()
+    return results
 
 
 if __name__ == "__main__":

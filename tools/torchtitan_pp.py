@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import sys
-import traceback
 import types
 from collections import Counter
 from pathlib import Path
@@ -186,17 +185,7 @@ def main() -> int:
     reference.init_weights(buffer_device=None)
     full = {k: v.detach().clone() for k, v in [*reference.named_parameters(), *reference.named_buffers()]}
 
-    results: dict[str, Any] = {}
-    for lib in ["torch", "fsdp2"] if args.lib == "both" else [args.lib]:
-        if dist.get_rank() == 0:
-            print(f"-- {lib} run", file=sys.stderr, flush=True)  # tells which run a crash hit
-        try:
-            results[lib] = run(args, lib, dims, full)
-        except Exception:  # noqa: BLE001 - reported, and the other library still runs
-            results[lib] = traceback.format_exc()
-            # now: a peer waiting on this rank's pipeline sends may hang before the report
-            print(f"rank {dist.get_rank()} {lib} FAILED:\n{results[lib]}", file=sys.stderr, flush=True)
-        dist.barrier()
+    results = shared.run_libraries(run, args, dims, full)
     ok = True
     if dist.get_rank() == 0:
         print(f"== llama3 {args.schedule} pp=2 dp_shard={world // 2} layers={args.layers} "
