@@ -9,13 +9,12 @@ Its helpers come from tests/test_pipeline.py, found through the script's own fol
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-from test_pipeline import ATOL, RTOL, VOCAB, Model, Stage, loss_fn
+from test_pipeline import VOCAB, Model, Stage, loss_fn, worst_excess
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
@@ -57,16 +56,7 @@ def train(steps: int) -> float:
         runner.step(*([ids] if rank == 0 else []), **({"target": targets} if rank == 0 else {}))
         opt.step()
         opt.zero_grad()
-    want = dict(ref.named_parameters())
-    worst = 0.0
-    for module in modules:
-        for name, p in module.named_parameters():
-            if name.startswith("blocks."):
-                parts = name.split(".")
-                name = ".".join(["blocks", str(module.first_block + int(parts[1])), *parts[2:]])
-            got, w = p.full_tensor().detach(), want[name].detach()
-            excess = ((got - w).abs() / (ATOL + RTOL * w.abs())).max().item()
-            worst = max(worst, math.inf if math.isnan(excess) else excess)
+    worst = worst_excess(modules, ref)
     dist.destroy_process_group()
     return worst
 
@@ -75,4 +65,7 @@ if __name__ == "__main__":
     out = names()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         out["worst"] = train(int(sys.argv[sys.argv.index("--steps") + 1]))
-    print("PATCH_SCRIPT " + json.dumps(out), flush=True)
+    # One write of the whole line (atomic on a pipe up to 4 KiB): the ranks share stdout,
+    # and a print's text and newline may go out apart, interleaving two ranks' lines.
+    sys.stdout.flush()
+    os.write(1, ("PATCH_SCRIPT " + json.dumps(out) + "\n").encode())

@@ -106,6 +106,22 @@ def _stage_class(lib_name: str, adapter: str) -> Any:
     return PipelineStage
 
 
+def worst_excess(modules: list[nn.Module], ref: nn.Module) -> float:
+    """The stages' full parameters against the local model's, in units of the tolerance
+    (``ATOL + RTOL * |want|``); a NaN counts as infinitely wrong."""
+    want = dict(ref.named_parameters())
+    worst = 0.0
+    for module in modules:
+        for name, p in module.named_parameters():
+            if name.startswith("blocks."):
+                parts = name.split(".")
+                name = ".".join(["blocks", str(module.first_block + int(parts[1])), *parts[2:]])
+            got, w = p.full_tensor().detach(), want[name].detach()
+            excess = ((got - w).abs() / (ATOL + RTOL * w.abs())).max().item()
+            worst = max(worst, math.inf if math.isnan(excess) else excess)
+    return worst
+
+
 def _run(lib_name: str, schedule: str, raf: bool | None, rank: int, adapter: str = "PipelineStage") -> dict[str, Any]:
     import torch.distributed.pipelining as pp
     from torch.distributed.device_mesh import init_device_mesh
@@ -148,16 +164,7 @@ def _run(lib_name: str, schedule: str, raf: bool | None, rank: int, adapter: str
         counts.append(dict(counter.calls))
         opt.step()
         opt.zero_grad()
-    want = dict(ref.named_parameters())
-    worst = 0.0
-    for module in modules:
-        for name, p in module.named_parameters():
-            if name.startswith("blocks."):
-                parts = name.split(".")
-                name = ".".join(["blocks", str(module.first_block + int(parts[1])), *parts[2:]])
-            got, w = p.full_tensor().detach(), want[name].detach()
-            excess = ((got - w).abs() / (ATOL + RTOL * w.abs())).max().item()
-            worst = max(worst, math.inf if math.isnan(excess) else excess)
+    worst = worst_excess(modules, ref)
     groups = sum(len(m.blocks) + (m.emb is not None or m.head is not None) for m in modules)  # with parameters
     return {"worst": worst, "counts": counts[1:], "groups": groups}  # step 0 also infers shapes
 
