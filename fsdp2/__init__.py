@@ -10,10 +10,12 @@ from .api import (
     OffloadPolicy,
     ShardPlacementResult,
 )
+from .quant import BlockQuantization
 from .fully_shard import fully_shard
 from .optim import clip_grad_norm_
 
 __all__ = [
+    "BlockQuantization",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",

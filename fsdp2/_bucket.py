@@ -39,6 +39,8 @@ from ._mesh import MeshInfo
 from ._offload import HostOffload
 from ._param import FSDPParam
 from ._reduce import BucketReduce
+from .quant.gather import QuantizedGather
+from .quant.spec import NO_QUANTIZATION, QuantizedComm
 
 
 class FlatBucket:
@@ -54,8 +56,10 @@ class FlatBucket:
         compute_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         offload: HostOffload | None = None,
+        quant: QuantizedComm = NO_QUANTIZATION,
     ) -> None:
         self.params = params
+        self.quant = quant  # what ``MixedPrecisionPolicy`` asks to quantize (``fsdp2.quant``)
         for i, p in enumerate(params):
             p.bucket_index = i
             p.bucket = self
@@ -79,7 +83,8 @@ class FlatBucket:
         # Subclasses with an all-gather extension (in buckets of their own): their gather.
         self.extension = any(p.extension for p in params)
         self.mp_policy: Any = None  # the group's, passed to ``fsdp_pre_all_gather``
-        self.gather: BucketGather = BucketGather(self)  # a ``RidingGather`` when another carries it
+        # A ``RidingGather`` when another carries it.
+        self.gather: BucketGather = BucketGather(self) if quant.gather is None else QuantizedGather(self, quant.gather)
         # The group's other buckets on this mesh, whose rows this extension bucket's
         # all-gather carries (``ExtensionGather``; ``join_gathers`` sets them).
         self.riders: list[FlatBucket] = []

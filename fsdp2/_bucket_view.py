@@ -49,6 +49,7 @@ class BucketView(Protocol):
     mp_policy: Any  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
     riders: list[BucketView]  # buckets whose rows its extension gather carries
     gather: Any  # its ``BucketGather``
+    quant: Any  # its ``quant.spec.QuantizedComm``: what the policy asks to quantize
 
     def comm_numel(self) -> int: ...
     def alloc_unsharded(self) -> None: ...

@@ -40,13 +40,15 @@ class Pending(NamedTuple):
     """An issued collective: ``work`` is None when it completed synchronously.
 
     ``result`` may be read only after ``wait_pending`` returned. ``rows``: for a reduce
-    run as an all-to-all, the received rows that ``wait_pending`` sums into ``result``.
+    run as an all-to-all, the received rows that ``wait_pending`` sums into ``result``
+    (with ``combine(rows, result)`` when given: a quantized reduce dequantizes them).
     """
 
     work: dist.Work | None
     result: torch.Tensor
     label: str
     rows: torch.Tensor | None = None
+    combine: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
 
 
 class GatherQueue:
@@ -114,7 +116,7 @@ def wait_pending(pending: Pending) -> torch.Tensor:
     if pending.work is not None:
         _wait(pending.work.wait, pending.label)
     if pending.rows is not None:
-        _sum_rows(pending.rows, pending.result)
+        (pending.combine or _sum_rows)(pending.rows, pending.result)
     return pending.result
 
 
@@ -266,6 +268,24 @@ def reduce_scatter_flat(
         output = torch.empty(input2d.shape[1], dtype=input2d.dtype, device=input2d.device)
         work = getattr(group, _REDUCE_SCATTER_SINGLE)(_real(output), _real(input2d.view(-1)), _REDUCE_SCATTER)
         return Pending(work, output, label)
+
+
+def all_to_all_rows(
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    group: dist.ProcessGroup,
+    result: torch.Tensor,
+    combine: Callable[[torch.Tensor, torch.Tensor], Any],
+    label: str,
+) -> Pending:
+    """Row ``r`` of ``send`` (``world x n``) goes to rank ``r``, into ``recv``; then
+    ``wait_pending`` runs ``combine(recv, result)`` on the caller's thread (a reduce of
+    encoded rows: ``fsdp2.quant``)."""
+    with traced("fsdp2::reduce_scatter"):
+        if debug_enabled():
+            check_same_collective(group, label, send.numel())
+        work = getattr(group, _ALL_TO_ALL_SINGLE)(recv, send, [], [], _ALL_TO_ALL)
+    return Pending(work, result, label, rows=recv, combine=combine)
 
 
 def _sum_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from ._mesh import MeshInfo, mesh_device
 from ._offload import HostOffload
 from ._param import FSDPParam
 from .api import MixedPrecisionPolicy, OffloadPolicy
+from .quant.spec import NO_QUANTIZATION, QuantizedComm
 
 
 class TrainingState(Enum):
@@ -55,7 +56,10 @@ def build_buckets(
         reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and floating) else compute
         offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its own copies
         mesh = params[idx[0]].comm
-        bucket = FlatBucket([params[i] for i in idx], [originals[i] for i in idx], mesh, device, compute, reduce, offload)
+        quant = QuantizedComm(mp_policy.quantize_gather, mp_policy.quantize_reduce) if floating else NO_QUANTIZATION
+        bucket = FlatBucket(
+            [params[i] for i in idx], [originals[i] for i in idx], mesh, device, compute, reduce, offload, quant
+        )
         bucket.mp_policy = mp_policy
         # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
         bucket.follows_dtype = (

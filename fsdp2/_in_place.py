@@ -62,6 +62,7 @@ class InPlace:
         return (
             world > 1
             and not bucket.extension  # gathered through the subclass's own hooks
+            and bucket.quant.gather is None and bucket.quant.reduce is None  # quantized rows travel instead
             and world >= IN_PLACE_MIN_WORLD
             and bucket.sharded_flat.device.type == "cpu"  # the copy-out runs on gloo's thread
             and bucket.offload is None

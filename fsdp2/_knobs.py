@@ -54,6 +54,7 @@ class CommKnobs:
         handle), instead of fsdp2's own gathers."""
         _check_comm("set_custom_all_gather", comm)
         _check_one_mesh("set_custom_all_gather", self._fsdp2_state.group, "collective")
+        _check_not_quantized("set_custom_all_gather", comm, self._fsdp2_state.group, "gather")
         for b in self._fsdp2_state.group.buckets:
             b.custom_all_gather = comm
 
@@ -66,6 +67,7 @@ class CommKnobs:
         only if ``comm`` sums every element in the same rank order."""
         _check_comm("set_custom_reduce_scatter", comm)
         _check_one_mesh("set_custom_reduce_scatter", self._fsdp2_state.group, "collective")
+        _check_not_quantized("set_custom_reduce_scatter", comm, self._fsdp2_state.group, "reduce")
         for b in self._fsdp2_state.group.buckets:
             b.reduce.custom = comm
             b.update_direct()
@@ -149,3 +151,13 @@ def _check_comm(method: str, comm: Any) -> None:
 def _cuda_event_types() -> tuple[type, ...]:
     event = getattr(getattr(torch, "cuda", None), "Event", None)
     return (event,) if isinstance(event, type) else ()
+
+
+def _check_not_quantized(method: str, comm: Any, group: Any, which: str) -> None:
+    """A custom collective and a quantized one cannot both carry the same payload."""
+    if comm is not None and getattr(group.mp_policy, f"quantize_{which}") is not None:
+        raise ValueError(
+            f"{method}: this module's MixedPrecisionPolicy quantizes its {which} (quantize_{which}=...); "
+            f"a custom collective would receive quantized bytes. Drop quantize_{which} from its policy, or the "
+            "custom collective"
+        )

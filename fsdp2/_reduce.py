@@ -31,6 +31,8 @@ import torch.distributed as dist
 from ._collectives import Pending, all_reduce_in_place, reduce_scatter_flat, traced, wait_pending
 from ._param import FSDPParam
 from ._reduce_layout import ReduceLayout
+from .quant.gather import quantizes
+from .quant.reduce import QuantizedReduce
 
 if TYPE_CHECKING:
     from ._bucket_view import BucketView
@@ -74,6 +76,9 @@ class BucketReduce:
         # ``set_reduce_scatter_unused_params(True)``: parameters no rank computed a gradient
         # for get zeros (reduced like the others) instead of None.
         self.zero_unused = False
+        # ``MixedPrecisionPolicy(quantize_reduce=...)``: the reduce's encoding, if any.
+        spec = bucket.quant.reduce
+        self.quant = QuantizedReduce(spec) if spec is not None else None
 
     @property
     def is_plain(self) -> bool:
@@ -250,6 +255,10 @@ class BucketReduce:
             flags = torch.tensor(self.used_flags(), dtype=buf.dtype).to(buf.device)
             buf[:, layout.flags_base : layout.numel].copy_(flags)
         label = f"reduce-scatter of {self.bucket.name}"
+        if self._quantized():
+            assert self.quant is not None
+            self._pending = self.quant.start(buf, layout.grad_numel, comm, label)
+            return
         if self.custom is not None and comm.shard_size > 1:
             out = self.custom.allocate((layout.numel,), dtype=buf.dtype, device=buf.device)
             work = self.custom(out, buf.reshape(-1), comm.shard_group, dist.ReduceOp.SUM, async_op=True)
@@ -332,7 +341,12 @@ class BucketReduce:
         """The reduce ran as an all-reduce over the whole input (see ``start``)."""
         comm = self.bucket.comm
         gloo = self.bucket.gloo
-        return self.custom is None and not (gloo is not None and gloo.reduce_by_all_to_all) and comm.shard_size > 1
+        by_rows = (gloo is not None and gloo.reduce_by_all_to_all) or self._quantized()
+        return self.custom is None and not by_rows and comm.shard_size > 1
+
+    def _quantized(self) -> bool:
+        """This bucket's reduce is quantized (``fsdp2.quant.reduce``)."""
+        return self.quant is not None and self.custom is None and quantizes(self.bucket)
 
     def release_buffers(self) -> None:
         """The reduce input and the all-to-all's receive buffer go back to the pool."""
@@ -340,6 +354,8 @@ class BucketReduce:
             if buf is not None:
                 self.bucket.comm.pool.release(buf)
         self._input = self._scratch = None
+        if self.quant is not None:
+            self.quant.release(self.bucket.comm.pool)
 
     def drop(self) -> None:
         """Forget deposited gradients and any reduce (after an exception)."""

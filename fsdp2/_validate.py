@@ -122,12 +122,12 @@ def _from_torch(policy: Any, ours: tuple[type, ...]) -> Any:
         if type(policy).__name__ == cls.__name__:
             names = {f.name for f in dataclasses.fields(cls) if f.init}
             theirs = {f.name for f in dataclasses.fields(policy) if f.init}
-            if names != theirs:
+            if not theirs <= names:  # fsdp2's may have more (``quantize_gather``...)
                 raise TypeError(
                     f"torch's {cls.__name__} has the fields {sorted(theirs)}, fsdp2's {sorted(names)}: this torch "
                     f"is newer than fsdp2 knows; build fsdp2.{cls.__name__}(...) instead"
                 )
-            return cls(**{n: getattr(policy, n) for n in names})
+            return cls(**{n: getattr(policy, n) for n in theirs})
     return policy
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from .quant.spec import BlockQuantization, as_quantization
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -23,17 +25,32 @@ class MixedPrecisionPolicy:
             ``param_dtype`` (or the parameter's dtype when that is ``None`` too).
         output_dtype: dtype that floating-point forward outputs are cast to.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        quantize_gather: fsdp2 only, keyword only. ``"int8"``, ``"fp8"`` (float8 e4m3) or
+            a ``BlockQuantization``: each rank sends its full-precision shards quantized
+            blockwise (one float32 scale per block) and the parameters are rebuilt in
+            ``param_dtype`` from the dequantized values: about a quarter of float32's
+            bytes. Used for compute only; the sharded parameters stay exact.
+        quantize_reduce: fsdp2 only, keyword only. The same for the gradient reduce:
+            one all-to-all of quantized rows, dequantized and summed in float32. With
+            HSDP the replica all-reduce stays in ``reduce_dtype``.
 
     Sharded parameters, gradients and optimizer state always keep the
-    original dtype: checkpoints never hold the low-precision copies.
+    original dtype: checkpoints never hold the low-precision copies. Neither
+    quantization applies on one shard rank, to non-floating parameters, or to
+    parameters with an all-gather extension (they gather through their own hooks).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    _: KW_ONLY
+    quantize_gather: BlockQuantization | str | None = None
+    quantize_reduce: BlockQuantization | str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("quantize_gather", "quantize_reduce"):
+            object.__setattr__(self, name, as_quantization(getattr(self, name), name))
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):

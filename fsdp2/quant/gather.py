@@ -1,0 +1,101 @@
+"""The quantized all-gather of one bucket (``MixedPrecisionPolicy(quantize_gather=...)``).
+
+Phase 1 (``start``): this rank quantizes its sharded flat (the full-precision shards,
+before any cast to ``param_dtype``) into one byte row, scales and payload, and all-gathers
+the rows: one collective, ``1 + 4 / block_size`` bytes per value instead of the compute
+dtype's size. Phase 2 (``finish``): every rank dequantizes the ``W`` rows into a pooled
+``W x S`` buffer of the compute dtype and copies the blocks out parameter-major, as the
+plain gather does. The sharded parameters are never touched: gradients reach them as
+always, and the quantization error does not accumulate over steps.
+
+Gathers it does not quantize go the plain way: one rank (nothing travels), a custom
+all-gather, a non-floating dtype, the kept rows of an integer ``reshard_after_forward``
+(already dequantized values, gathered over the smaller group as they are).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .._collectives import all_gather_flat, traced, wait_pending
+from .._gather import BucketGather
+from .blockwise import dequantize_into, quantize_rows
+from .spec import BlockQuantization, RowLayout
+
+if TYPE_CHECKING:
+    from .._bucket_view import BucketView
+
+
+def quantizes(bucket: BucketView) -> bool:
+    """Whether a collective of ``bucket`` may be quantized at all: more than one shard
+    rank, floating values, no all-gather extension (those gather through their hooks)."""
+    return (
+        bucket.comm.shard_size > 1
+        and bucket.dtype.is_floating_point
+        and bucket.compute_dtype.is_floating_point
+        and not bucket.extension
+    )
+
+
+class QuantizedGather(BucketGather):
+    """One bucket's all-gather, quantized blockwise when it may be (see the module)."""
+
+    def __init__(self, bucket: BucketView, spec: BlockQuantization) -> None:
+        super().__init__(bucket)
+        self.spec = spec
+        self._send: torch.Tensor | None = None  # pooled, this rank's row: kept until waited
+        self._rows: RowLayout | None = None  # set while a quantized gather is in flight
+
+    def start(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
+        b = self.bucket
+        kept = from_partial and self.target is not None and self.partial is not None
+        if b.shard_numel == 0 or kept or b.custom_all_gather is not None or not quantizes(b):
+            return super().start(from_partial, after)
+        comm = b.comm
+        source = b.sharded_flat[: b.shard_numel]
+        if b.offload is not None:
+            source = b.offload.to_compute(source)
+        rows = self._rows = RowLayout.of(self.spec, b.shard_numel)
+        self._send = comm.pool.acquire(rows.nbytes, torch.uint8, source.device)
+        with traced("fsdp2::quantize"):
+            quantize_rows(source.view(1, -1), self.spec, rows, self._send.view(1, -1))
+        self.buf = comm.pool.acquire(comm.shard_size * rows.nbytes, torch.uint8, source.device)
+        self._pooled = True
+        label = f"{self.spec.name} all-gather of {b.name}"
+        self._pending = all_gather_flat(self._send, self.buf, comm.shard_group, label=label)
+
+    def finish(self) -> None:
+        b, rows = self.bucket, self._rows
+        if rows is None:
+            return super().finish()
+        assert self._pending is not None and self.buf is not None, "fsdp2 internal error: no all-gather issued"
+        b.alloc_unsharded()
+        pool, world = b.comm.pool, b.comm.shard_size
+        packed = wait_pending(self._pending).view(world, rows.nbytes)
+        self._pending = None
+        self._release_send()
+        values = pool.acquire(world * b.shard_numel, b.compute_dtype, b.device)
+        with traced("fsdp2::dequantize"):
+            dequantize_into(packed, self.spec, rows, values.view(world, b.shard_numel))
+        pool.release(self.buf)
+        self.buf = None
+        with traced("fsdp2::copy_out"):
+            self.copy_out(values.view(world, b.shard_numel))
+        pool.release(values)
+        self.partial = None
+        if b.scalars or b.offload is not None:
+            self._finish_tail()
+
+    def drop(self) -> None:
+        try:
+            super().drop()
+        finally:
+            self._release_send()
+
+    def _release_send(self) -> None:
+        if self._send is not None:
+            self.bucket.comm.pool.release(self._send)
+        self._send = None
+        self._rows = None

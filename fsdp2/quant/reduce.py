@@ -1,0 +1,73 @@
+"""The quantized gradient reduce of one bucket (``MixedPrecisionPolicy(quantize_reduce=...)``).
+
+Phase 1 (``start``): each row ``r`` of the reduce input (``W x N``: rank ``r``'s share
+of this rank's gradients, then the replicated scalars' gradients and the "used" flags)
+is quantized blockwise into a byte row, the scalars and flags riding exactly in the
+row's tail, and one all-to-all sends row ``r`` to rank ``r`` (ZeRO++'s qgZ, in one hop).
+Phase 2 (``combine``, run by ``wait_pending`` on the caller's thread): the ``W``
+received rows are dequantized to float32 and summed in rank order, the tails in the
+reduce dtype in rank order (so scalars come out bitwise equal on every rank), into this
+rank's row of the input; the staging reads it from there as after a plain reduce. With
+HSDP the replica all-reduce that follows stays in ``reduce_dtype``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._buffers import BufferPool
+from .._collectives import Pending, all_to_all_rows, traced
+from .._mesh import MeshInfo
+from .blockwise import dequantize_rows, quantize_rows
+from .spec import BlockQuantization, RowLayout
+
+
+class QuantizedReduce:
+    """One bucket's reduce buffers and encoding while a quantized reduce is in flight."""
+
+    def __init__(self, spec: BlockQuantization) -> None:
+        self.spec = spec
+        self._bufs: list[torch.Tensor] = []  # pooled send and receive rows, until staged
+
+    def start(self, input2d: torch.Tensor, grad_numel: int, comm: MeshInfo, label: str) -> Pending:
+        """Issue the all-to-all of ``input2d``'s rows, quantized up to ``grad_numel``."""
+        world, numel = input2d.shape
+        tail = numel - grad_numel
+        rows = RowLayout.of(self.spec, grad_numel, tail * input2d.element_size())
+        send, recv = (comm.pool.acquire(world * rows.nbytes, torch.uint8, input2d.device) for _ in range(2))
+        self._bufs = [send, recv]
+        send2d = send.view(world, rows.nbytes)
+        with traced("fsdp2::quantize"):
+            quantize_rows(input2d[:, :grad_numel], self.spec, rows, send2d)
+            if tail:
+                send2d[:, : tail * input2d.element_size()].view(input2d.dtype).copy_(input2d[:, grad_numel:])
+
+        def combine(received: torch.Tensor, result: torch.Tensor) -> None:
+            self._combine(received.view(world, rows.nbytes), result, rows, input2d.dtype)
+
+        result = input2d[comm.shard_rank]
+        return all_to_all_rows(send, recv, comm.shard_group, result, combine, f"{self.spec.name} {label}")
+
+    def _combine(self, received: torch.Tensor, result: torch.Tensor, rows: RowLayout, dtype: torch.dtype) -> None:
+        """``result`` = the sum over ranks, in rank order, of the received rows."""
+        with traced("fsdp2::dequantize"):
+            values = dequantize_rows(received, self.spec, rows).view(received.shape[0], -1)
+            _sum_in_order(values, values[0])
+            result[: rows.numel].copy_(values[0, : rows.numel])
+            tail = result.numel() - rows.numel
+            if tail:
+                exact = received[:, : tail * dtype.itemsize].view(dtype)
+                _sum_in_order(exact, result[rows.numel :])
+
+    def release(self, pool: BufferPool) -> None:
+        for buf in self._bufs:
+            pool.release(buf)
+        self._bufs = []
+
+
+def _sum_in_order(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = rows[0] + rows[1] + ...`` in this order (``out`` may be ``rows[0]``)."""
+    if out.data_ptr() != rows[0].data_ptr():
+        out.copy_(rows[0])
+    for row in rows[1:]:
+        out.add_(row)
