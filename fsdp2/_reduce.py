@@ -257,7 +257,7 @@ class BucketReduce:
         label = f"reduce-scatter of {self.bucket.name}"
         if self._quantized():
             assert self.quant is not None
-            self._pending = self.quant.start(buf, layout.grad_numel, comm, label)
+            self._pending = self.quant.start(buf, layout, comm, label)
             return
         if self.custom is not None and comm.shard_size > 1:
             out = self.custom.allocate((layout.numel,), dtype=buf.dtype, device=buf.device)

@@ -8,7 +8,6 @@ checks it bit for bit against a block-by-block reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .spec import SCALE_DTYPE, BlockQuantization, RowLayout
 
@@ -18,13 +17,60 @@ from .spec import SCALE_DTYPE, BlockQuantization, RowLayout
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def _blocks(x: torch.Tensor, spec: BlockQuantization, rows: RowLayout) -> torch.Tensor:
-    """``x`` (``R x n``) as float32 ``R x blocks x block_size``, the last block zero-padded."""
-    xf = x.to(SCALE_DTYPE)
-    pad = rows.blocks * spec.block_size - rows.numel
-    if pad:
-        xf = F.pad(xf, (0, pad))
-    return xf.reshape(x.shape[0], rows.blocks, spec.block_size)
+def _pieces(rows: RowLayout, block_size: int, segments: list[torch.Tensor], padding: torch.Tensor) -> list[torch.Tensor]:
+    """``segments`` (each ``R x n``) and views of ``padding`` between them, in the order of
+    ``rows.padded_sizes``: what a padded row splits into."""
+    out = []
+    for n, seg in zip(rows.sizes, segments):
+        if n:
+            out.append(seg)
+        if n % block_size:
+            out.append(padding[:, : -n % block_size])
+    return out
+
+
+def segments_of(values: torch.Tensor, rows: RowLayout) -> list[torch.Tensor]:
+    """``values`` (``R x numel``) cut into its segments' columns."""
+    return list(values.split(list(rows.sizes), dim=1))
+
+
+def pack(x: torch.Tensor, spec: BlockQuantization, rows: RowLayout) -> torch.Tensor:
+    """``x`` (``R x numel``) as float32 ``R x blocks x block_size``: every segment
+    zero-padded to whole blocks (one copy, casting as it goes)."""
+    r, b = x.shape[0], spec.block_size
+    out = torch.empty(r, rows.blocks * b, dtype=SCALE_DTYPE, device=x.device)
+    if rows.numel == rows.blocks * b:  # no padding anywhere
+        out.copy_(x)
+    elif len(rows.sizes) <= 1:
+        out[:, rows.numel :].zero_()
+        out[:, : rows.numel].copy_(x)
+    else:
+        if rows.numel != rows.blocks * b:
+            out.zero_()
+        targets = [v for v, n in zip(_value_views(rows, b, out), rows.sizes) if n]
+        # One copy splits it; it takes one dtype (a bf16 / float64 row is cast first).
+        torch.split_with_sizes_copy(x.to(SCALE_DTYPE), [n for n in rows.sizes if n], dim=1, out=targets)
+    return out.view(r, rows.blocks, b)
+
+
+def _value_views(rows: RowLayout, block_size: int, padded: torch.Tensor) -> list[torch.Tensor]:
+    """Each segment's values inside a padded row (``R x blocks*block_size``)."""
+    out, start = [], 0
+    for n in rows.sizes:
+        out.append(padded[:, start : start + n])
+        start += n + (-n % block_size)
+    return out
+
+
+def unpack(padded: torch.Tensor, spec: BlockQuantization, rows: RowLayout, segments: list[torch.Tensor]) -> None:
+    """Copy the values of ``padded`` (``R x blocks*block_size``) into ``segments`` (one
+    ``R x n`` tensor per segment, any dtype, e.g. the parameters' regions), the padding
+    dropped: one copy."""
+    if segments and segments[0].dtype != padded.dtype:  # one copy splits it, in one dtype
+        padded = padded.to(segments[0].dtype)
+    scratch = padded.new_empty(padded.shape[0], spec.block_size)  # where the padding goes
+    pieces = _pieces(rows, spec.block_size, segments, scratch)
+    torch.split_with_sizes_copy(padded, rows.padded_sizes(spec.block_size), dim=1, out=pieces)
 
 
 def scales_of(packed: torch.Tensor, rows: RowLayout) -> torch.Tensor:
@@ -40,11 +86,11 @@ def payload_of(packed: torch.Tensor, spec: BlockQuantization, rows: RowLayout) -
 
 
 def quantize_rows(x: torch.Tensor, spec: BlockQuantization, rows: RowLayout, out: torch.Tensor) -> None:
-    """Write the scales and payload of each row of ``x`` (``R x n``, any float dtype) into
-    the byte rows ``out`` (``R x nbytes``, uint8); the tail is left to the caller."""
-    blocks = _blocks(x, spec, rows)
+    """Write the scales and payload of each row of ``x`` (``R x numel``, any float dtype)
+    into the byte rows ``out`` (``R x nbytes``, uint8); the tail is left to the caller."""
+    blocks = pack(x, spec, rows)
     scale = blocks.abs().amax(dim=2, keepdim=True).div_(spec.qmax).clamp_min_(_TINY)
-    q = blocks / scale  # not in place: ``blocks`` may be a view of ``x``
+    q = blocks.div_(scale)  # ``pack`` made a copy
     if spec.dtype == torch.int8:
         q = q.round_()
     q.clamp_(-spec.qmax, spec.qmax)
@@ -53,12 +99,12 @@ def quantize_rows(x: torch.Tensor, spec: BlockQuantization, rows: RowLayout, out
 
 
 def dequantize_rows(packed: torch.Tensor, spec: BlockQuantization, rows: RowLayout) -> torch.Tensor:
-    """The values of byte rows ``packed`` (``R x nbytes``) as float32 ``R x blocks x
-    block_size`` (``q * scale``; the padding of the last block reads 0)."""
-    return payload_of(packed, spec, rows).to(SCALE_DTYPE).mul_(scales_of(packed, rows))
+    """The values of byte rows ``packed`` (``R x nbytes``) as float32 ``R x blocks*block_size``
+    (``q * scale``, still padded: ``unpack`` drops the padding)."""
+    values = payload_of(packed, spec, rows).to(SCALE_DTYPE).mul_(scales_of(packed, rows))
+    return values.view(packed.shape[0], -1)
 
 
 def dequantize_into(packed: torch.Tensor, spec: BlockQuantization, rows: RowLayout, out: torch.Tensor) -> None:
-    """``out`` (``R x n``, any float dtype) = the dequantized rows of ``packed``."""
-    values = dequantize_rows(packed, spec, rows).view(packed.shape[0], -1)
-    out.copy_(values[:, : rows.numel])
+    """``out`` (``R x numel``, any float dtype) = the dequantized rows of ``packed``."""
+    unpack(dequantize_rows(packed, spec, rows), spec, rows, segments_of(out, rows))

@@ -21,7 +21,7 @@ import torch
 
 from .._collectives import all_gather_flat, traced, wait_pending
 from .._gather import BucketGather
-from .blockwise import dequantize_into, quantize_rows
+from .blockwise import dequantize_rows, quantize_rows, segments_of, unpack
 from .spec import BlockQuantization, RowLayout
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ class QuantizedGather(BucketGather):
         self.spec = spec
         self._send: torch.Tensor | None = None  # pooled, this rank's row: kept until waited
         self._rows: RowLayout | None = None  # set while a quantized gather is in flight
+        self._layout: RowLayout | None = None
 
     def start(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
         b = self.bucket
@@ -57,7 +58,7 @@ class QuantizedGather(BucketGather):
         source = b.sharded_flat[: b.shard_numel]
         if b.offload is not None:
             source = b.offload.to_compute(source)
-        rows = self._rows = RowLayout.of(self.spec, b.shard_numel)
+        rows = self._rows = self._row_layout()
         self._send = comm.pool.acquire(rows.nbytes, torch.uint8, source.device)
         with traced("fsdp2::quantize"):
             quantize_rows(source.view(1, -1), self.spec, rows, self._send.view(1, -1))
@@ -76,17 +77,29 @@ class QuantizedGather(BucketGather):
         packed = wait_pending(self._pending).view(world, rows.nbytes)
         self._pending = None
         self._release_send()
-        values = pool.acquire(world * b.shard_numel, b.compute_dtype, b.device)
         with traced("fsdp2::dequantize"):
-            dequantize_into(packed, self.spec, rows, values.view(world, b.shard_numel))
+            padded = dequantize_rows(packed, self.spec, rows)  # W x padded S, float32
         pool.release(self.buf)
         self.buf = None
         with traced("fsdp2::copy_out"):
-            self.copy_out(values.view(world, b.shard_numel))
-        pool.release(values)
+            if b.blocks_are_the_values:  # straight into the parameters' regions
+                unpack(padded, self.spec, rows, b.regions)
+            else:
+                values = pool.acquire(world * b.shard_numel, b.compute_dtype, b.device)
+                blocks = values.view(world, b.shard_numel)
+                unpack(padded, self.spec, rows, segments_of(blocks, rows))
+                self.copy_out(blocks)
+                pool.release(values)
         self.partial = None
         if b.scalars or b.offload is not None:
             self._finish_tail()
+
+    def _row_layout(self) -> RowLayout:
+        """One segment per sharded parameter (built once; the bucket's layout is fixed)."""
+        sizes = tuple(p.shard_numel for p in self.bucket.sharded_params)
+        if self._layout is None or self._layout.sizes != sizes:
+            self._layout = RowLayout.of(self.spec, sizes)
+        return self._layout
 
     def drop(self) -> None:
         try:

@@ -18,7 +18,8 @@ import torch
 from .._buffers import BufferPool
 from .._collectives import Pending, all_to_all_rows, traced
 from .._mesh import MeshInfo
-from .blockwise import dequantize_rows, quantize_rows
+from .._reduce_layout import ReduceLayout
+from .blockwise import dequantize_rows, quantize_rows, segments_of, unpack
 from .spec import BlockQuantization, RowLayout
 
 
@@ -29,11 +30,13 @@ class QuantizedReduce:
         self.spec = spec
         self._bufs: list[torch.Tensor] = []  # pooled send and receive rows, until staged
 
-    def start(self, input2d: torch.Tensor, grad_numel: int, comm: MeshInfo, label: str) -> Pending:
-        """Issue the all-to-all of ``input2d``'s rows, quantized up to ``grad_numel``."""
+    def start(self, input2d: torch.Tensor, layout: ReduceLayout, comm: MeshInfo, label: str) -> Pending:
+        """Issue the all-to-all of ``input2d``'s rows, the gradients quantized (one segment
+        per parameter), the rest of each row exact in its tail."""
         world, numel = input2d.shape
+        grad_numel = layout.grad_numel
         tail = numel - grad_numel
-        rows = RowLayout.of(self.spec, grad_numel, tail * input2d.element_size())
+        rows = RowLayout.of(self.spec, tuple(p.shard_numel for p in layout.params), tail * input2d.element_size())
         send, recv = (comm.pool.acquire(world * rows.nbytes, torch.uint8, input2d.device) for _ in range(2))
         self._bufs = [send, recv]
         send2d = send.view(world, rows.nbytes)
@@ -51,9 +54,10 @@ class QuantizedReduce:
     def _combine(self, received: torch.Tensor, result: torch.Tensor, rows: RowLayout, dtype: torch.dtype) -> None:
         """``result`` = the sum over ranks, in rank order, of the received rows."""
         with traced("fsdp2::dequantize"):
-            values = dequantize_rows(received, self.spec, rows).view(received.shape[0], -1)
+            values = dequantize_rows(received, self.spec, rows)  # W x padded, float32
             _sum_in_order(values, values[0])
-            result[: rows.numel].copy_(values[0, : rows.numel])
+            row = result[: rows.numel].view(1, -1)
+            unpack(values[:1], self.spec, rows, segments_of(row, rows))
             tail = result.numel() - rows.numel
             if tail:
                 exact = received[:, : tail * dtype.itemsize].view(dtype)

@@ -83,9 +83,15 @@ def _aligned(nbytes: int) -> int:
 
 
 class RowLayout(NamedTuple):
-    """Where each part of one quantized row lies, in bytes (see the module docstring)."""
+    """Where each part of one quantized row lies, in bytes (see the module docstring).
 
-    numel: int  # the values quantized
+    The values are the concatenation of ``sizes`` segments (one per parameter): each
+    segment starts a block of its own, so no scale spans two parameters (a norm's weights
+    near 1 do not coarsen a matrix's near 0.02, and a parameter replicated over tensor
+    parallel ranks quantizes alike on each of them, whatever its neighbours hold)."""
+
+    sizes: tuple[int, ...]  # the segments, in order
+    numel: int  # their sum: the values of a row
     blocks: int
     tail_bytes: int  # the full-precision tail, padded
     scale_offset: int
@@ -93,11 +99,19 @@ class RowLayout(NamedTuple):
     nbytes: int  # the whole row, a multiple of 8
 
     @classmethod
-    def of(cls, spec: BlockQuantization, numel: int, tail_bytes: int = 0) -> RowLayout:
-        blocks = -(-numel // spec.block_size)
+    def of(cls, spec: BlockQuantization, sizes: tuple[int, ...], tail_bytes: int = 0) -> RowLayout:
+        blocks = sum(-(-n // spec.block_size) for n in sizes)
         tail = _aligned(tail_bytes)
         payload = tail + _aligned(blocks * SCALE_DTYPE.itemsize)
-        return cls(numel, blocks, tail, tail, payload, payload + _aligned(blocks * spec.block_size))
+        return cls(sizes, sum(sizes), blocks, tail, tail, payload, payload + _aligned(blocks * spec.block_size))
+
+    def padded_sizes(self, block_size: int) -> list[int]:
+        """Each segment's values and then its padding to whole blocks, zero-sized parts
+        left out (the split ``blockwise.pack`` / ``unpack`` cut a row into)."""
+        out = []
+        for n in self.sizes:
+            out += [n, -n % block_size]
+        return [n for n in out if n]
 
 
 class QuantizedComm(NamedTuple):
