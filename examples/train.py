@@ -7,6 +7,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py --hsdp 2         # HSDP: 2 replicas x 2 shards
     torchrun --standalone --nproc-per-node 2 examples/train.py --optim muon --clip 1.0
     torchrun --standalone --nproc-per-node 4 examples/train.py --moe --experts 4 --top-k 2 --ep 2
+    torchrun --standalone --nproc-per-node 2 examples/train.py --data text --eval-every 10
 
 CPU + gloo by default; GPUs + NCCL when CUDA is available (one GPU per rank).
 Each block is its own fsdp2 group, plus the root (embeddings, final norm, output).
@@ -46,6 +47,16 @@ with ``--hsdp``, ``--tp`` (the MoE layers compute their tp group's whole sequenc
 on each of its ranks), ``--pp``, ``--ac``, ``--optim muon``, ``--clip``, ``--bf16``,
 checkpoints and ``--impl torch``.
 
+``--data text`` trains on real text instead of the synthetic sequences: the bytes of the
+Python standard library's own source (``examples/data.py``; no download, vocab 256),
+split by file into training and held-out text. ``--eval-every N`` prints the held-out
+loss every N steps and at the end (``--eval-batches K`` fixed batches per data rank, the
+forward only, averaged over the data ranks); not with ``--pp``.
+
+``--quantize-gather`` / ``--quantize-reduce`` (``int8`` or ``fp8``) quantize fsdp2's
+parameter all-gather / gradient reduce-scatter (``MixedPrecisionPolicy``'s fields of
+those names; with ``--bf16`` too). torch's fully_shard has no such thing.
+
 Checkpointing: ``--ckpt-dir DIR --save-every N`` saves model, optimizer, step and RNG
 with torch.distributed.checkpoint into ``DIR/step-NNNNNN`` (written to a temporary
 directory first and renamed into place, so an interrupted save never damages the latest
@@ -58,6 +69,7 @@ with the same parameters as an uninterrupted run. ``FSDP2_EXAMPLE_FAIL_AT=K`` ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import os
@@ -75,6 +87,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
+from data import VOCAB, TextData  # noqa: E402
 from model import MoE, ModelArgs, Transformer, TransformerStage, init_weights  # noqa: E402
 from moe import expert_placement_fn, moe_meshes, moe_tp_plan, parallelize_experts, scale_expert_grads  # noqa: E402
 
@@ -98,9 +111,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=None, help="default 512; --data text needs 256 (bytes)")
+    p.add_argument("--data", choices=["synthetic", "text"], default="synthetic",
+                   help="text: bytes of the Python standard library's source (examples/data.py)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out loss every N steps and at the end (0: off)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="held-out batches per data rank for --eval-every")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 reduce (MixedPrecisionPolicy)")
+    p.add_argument("--quantize-gather", choices=["int8", "fp8"], default=None,
+                   help="quantized parameter all-gather (MixedPrecisionPolicy.quantize_gather)")
+    p.add_argument("--quantize-reduce", choices=["int8", "fp8"], default=None,
+                   help="quantized gradient reduce-scatter (MixedPrecisionPolicy.quantize_reduce)")
     p.add_argument("--meta-init", action="store_true", help="build on the meta device, shard, then materialize")
     p.add_argument("--impl", choices=["fsdp2", "torch"], default="fsdp2")
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="activation checkpointing")
@@ -124,6 +147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (needs --ckpt-dir)")
     p.add_argument("--final-params", default=None, help="rank 0 saves the full final parameters here (torch.save)")
     args = p.parse_args(argv)
+    check_data_args(p, args)
+    if args.impl == "torch" and (args.quantize_gather or args.quantize_reduce):
+        p.error("--quantize-gather / --quantize-reduce need --impl fsdp2: torch's fully_shard has no "
+                "quantized communication")
     if args.save_every and not args.ckpt_dir:
         p.error("--save-every needs --ckpt-dir")
     if args.pp > 1 and args.ac == "selective" and args.pp_schedule in SPLIT_BACKWARD:
@@ -151,6 +178,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--pp {args.pp} with {args.pp_schedule} makes {stages} stages: --layers ({args.layers}) must be "
                 f"a multiple of that, and --batch-size ({args.batch_size}) of --microbatches ({args.microbatches})")
     return args
+
+
+def check_data_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolves ``--vocab`` (bytes for ``--data text``) and checks the evaluation flags."""
+    if args.data == "text":
+        if args.vocab not in (None, VOCAB):
+            p.error(f"--data text has a vocab of {VOCAB} (bytes), got --vocab {args.vocab}: "
+                    "leave --vocab out")
+        args.vocab = VOCAB
+    elif args.vocab is None:
+        args.vocab = 512
+    if args.eval_every < 0 or args.eval_batches < 1:
+        p.error(f"--eval-every must be at least 0 and --eval-batches at least 1, got {args.eval_every} "
+                f"and {args.eval_batches}")
+    if args.eval_every and args.pp > 1:
+        p.error("--eval-every cannot run with --pp in this example: the held-out forward would need a "
+                "pipeline schedule of its own")
 
 
 def check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
@@ -270,6 +314,41 @@ def synthetic_batch(step: int, rank: int, args: argparse.Namespace, device: torc
         seq.append((seq[-1] * 3 + 1) % args.vocab)
     tokens = torch.cat(seq, dim=1).to(device)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class Batches(NamedTuple):
+    """Where the example's data comes from: ``(inputs, targets)`` on the device."""
+
+    train: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (step, data rank)
+    heldout: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (index, data rank)
+
+
+def make_batches(args: argparse.Namespace, device: torch.device) -> Batches:
+    """``--data``: the synthetic sequences (held out: steps no run reaches) or real text."""
+    if args.data == "synthetic":
+        return Batches(lambda step, rank: synthetic_batch(step, rank, args, device),
+                       lambda index, rank: synthetic_batch(-1 - index, rank, args, device))
+    text = TextData(args.batch_size, args.seq_len, args.seed)
+
+    def on_device(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return pair[0].to(device), pair[1].to(device)
+
+    return Batches(lambda step, rank: on_device(text.batch(step, rank)),
+                   lambda index, rank: on_device(text.heldout_batch(index, rank)))
+
+
+def heldout_loss(args: argparse.Namespace, model: nn.Module, batches: Batches, data_rank: int,
+                 device: torch.device) -> float:
+    """Mean loss of ``--eval-batches`` fixed held-out batches per data rank, forward only,
+    averaged over every rank: the ranks of one tensor-parallel group hold the same value,
+    so that is the mean over the data ranks."""
+    total = torch.zeros((), device=device)
+    with torch.no_grad():
+        for index in range(args.eval_batches):
+            inputs, targets = batches.heldout(index, data_rank)
+            total += loss_fn(model(inputs), targets)
+    dist.all_reduce(total)  # sum over every rank
+    return total.item() / (args.eval_batches * dist.get_world_size())
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -559,6 +638,40 @@ def save_full_params(model: nn.Module, path: str, pp: int) -> None:
         torch.save(dict(sorted(full.items())) if pp > 1 else full, path)
 
 
+def precision_policy(args: argparse.Namespace, lib: Any) -> Any:
+    """``--bf16`` and ``--quantize-*`` as ``lib``'s MixedPrecisionPolicy; a clear exit where
+    this fsdp2 has no quantized communication (the policy lacks those fields)."""
+    kwargs: dict[str, Any] = {}
+    if args.bf16:
+        kwargs.update(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    names = ("quantize_gather", "quantize_reduce")
+    quantize = {name: getattr(args, name) for name in names if getattr(args, name)}
+    missing = sorted(set(quantize) - {f.name for f in dataclasses.fields(lib.MixedPrecisionPolicy)})
+    if missing:
+        raise SystemExit(f"--quantize-gather / --quantize-reduce: this fsdp2's MixedPrecisionPolicy has no "
+                         f"{', '.join(missing)} field; they need a version with quantized communication")
+    return lib.MixedPrecisionPolicy(**kwargs, **quantize)
+
+
+def describe(args: argparse.Namespace, n_params: int, world: int, device: torch.device) -> str:
+    """Rank 0's first line: the run's configuration."""
+    return (f"{args.impl}: {n_params / 1e6:.2f}M parameters on rank 0, world size {world}, pp {args.pp}, "
+            f"tp {args.tp}, hsdp {args.hsdp}, ac {args.ac}, compile {args.compile}, optim {args.optim}, "
+            f"clip {args.clip}, device {device.type}"
+            + (f", moe {args.experts} experts top-{args.top_k} ep {args.ep}" if args.moe else "")
+            + f", data {args.data}, quantize gather {args.quantize_gather} reduce {args.quantize_reduce}")
+
+
+def report_heldout(args: argparse.Namespace, step: int, model: nn.Module, batches: Batches, data_rank: int,
+                   device: torch.device) -> None:
+    """``--eval-every N``: the held-out loss after every N-th step and after the last one."""
+    if not args.eval_every or ((step + 1) % args.eval_every and step != args.steps - 1):
+        return
+    value = heldout_loss(args, model, batches, data_rank, device)  # every rank: it all-reduces
+    if dist.get_rank() == 0:
+        print(f"eval step {step} heldout_loss {value:.4f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = setup()
@@ -571,18 +684,16 @@ def main(argv: list[str] | None = None) -> None:
         hidden_dim=ffn_hidden_dim(args.dim), max_seq_len=args.seq_len,
         n_experts=args.experts if args.moe else 0, top_k=args.top_k,
     )
-    mp = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else lib.MixedPrecisionPolicy()
+    mp = precision_policy(args, lib)
     build = build_pipeline if args.pp > 1 else build_plain
     model, train_step, data_rank, pp_mesh = build(args, margs, lib, mp, device)
     optims = make_optimizers(args, model)
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"{args.impl}: {n_params / 1e6:.2f}M parameters on rank 0, world size {world}, pp {args.pp}, "
-              f"tp {args.tp}, hsdp {args.hsdp}, ac {args.ac}, compile {args.compile}, optim {args.optim}, "
-              f"clip {args.clip}, device {device.type}"
-              + (f", moe {args.experts} experts top-{args.top_k} ep {args.ep}" if args.moe else ""), flush=True)
+        print(describe(args, n_params, world, device), flush=True)
     # Tokens a step trains on, all data-parallel ranks together (a tp group shares its batch).
     step_tokens = args.batch_size * args.seq_len * world // (args.pp * args.tp)
+    batches = make_batches(args, device)
     start_step = 0
     if args.ckpt_dir:
         if rank == 0:
@@ -595,7 +706,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"resumed from {latest} at step {start_step}", flush=True)
     for step in range(start_step, args.steps):
         maybe_fail(step, args.ckpt_dir)
-        inputs, targets = synthetic_batch(step, data_rank, args, device)
+        inputs, targets = batches.train(step, data_rank)
         start = time.perf_counter()
         loss = train_step(inputs, targets)
         scale_expert_grads(model, args.ep)
@@ -612,6 +723,7 @@ def main(argv: list[str] | None = None) -> None:
             f"tokens/s {step_tokens / elapsed:9.0f} peak_mem {peak_memory_mb(device):8.1f} MB",
             flush=True,
         )
+        report_heldout(args, step, model, batches, data_rank, device)
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(args.ckpt_dir, model, optims, step)
     if args.final_params:

@@ -1,12 +1,13 @@
 """examples/train.py under torchrun: checkpoints, resume, and a rank killed mid-training
 under ``--max-restarts=1`` all end with the parameters of an uninterrupted run; activation
 checkpointing, meta-device init, pipeline, compile, bf16, tensor parallel and HSDP runs
-train like the plain one."""
+train like the plain one; real text data (``--data text``) trains and reports a held-out loss."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import re
 import subprocess
@@ -14,7 +15,8 @@ import sys
 
 import pytest
 import torch
-from _dist import run_ranks
+import torch.distributed.fsdp
+from _dist import run_ranks, run_scenarios
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "16", "--batch-size", "2"]
@@ -35,6 +37,10 @@ FLAG_RUNS: dict[str, tuple[int, list[str]]] = {
 TP_RUNS = {"tp 2, hsdp 1": ["--tp", "2"], "tp 2, hsdp 2": ["--tp", "2", "--hsdp", "2"]}  # on 4 ranks
 MUON = ["--optim", "muon", "--clip", "0.5"]
 MUON_RUNS = {"tp 2, hsdp 2": (4, [*MUON, "--tp", "2", "--hsdp", "2"]), "pp 2": (4, [*MUON, "--pp", "2", "--microbatches", "2"])}
+# --data text: the bytes of the standard library's source (vocab 256, so no --vocab).
+TEXT_SMALL = [f for f in SMALL if f not in ("--vocab", "64")]
+TEXT = ["--data", "text"]
+EVAL = ["--eval-every", "10", "--eval-batches", "2"]
 CHECKPOINTED = ["--ckpt-dir", "CKPT", "--save-every", "2"]  # resumed, and restarted under --max-restarts=1
 MOE = ["--moe", "--ep", "2"]
 # name -> (ranks, flags), each against the 4-rank --moe --ep 2 run (the pipeline and
@@ -56,6 +62,7 @@ def tested_flag_sets() -> list[tuple[list[str], bool]]:
     runs += [(flags, False) for flags in TP_RUNS.values()]
     runs += [(flags, False) for _, flags in MUON_RUNS.values()]
     runs += [(MOE, False), ([*MOE, *CHECKPOINTED], True)] + [(flags, False) for _, flags in MOE_RUNS.values()]
+    runs += [([*TEXT, *EVAL], False), (TEXT, False)]
     return runs
 
 
@@ -202,3 +209,44 @@ def test_muon_and_clipping_across_layouts_and_a_restart(tmp_path) -> None:  # no
     )
     assert "resumed from" in log and "step-000003" in log
     _same(clean, crashed)
+
+
+def test_text_data_trains_and_reports_heldout_loss() -> None:
+    """``--data text`` at 2 ranks: the training loss falls from about ln(256) (bytes), the
+    held-out loss printed after steps 9 and 19 is finite and falls too, and the held-out
+    forwards leave training alone (the same run without them prints the same losses)."""
+    argv = ["--steps", "20", *TEXT_SMALL, *TEXT]
+    runs = run_scenarios(2, {"eval": (_example_rank, ([*argv, *EVAL],)), "plain": (_example_rank, (argv,))},
+                         timeout=300)
+    log, plain = "".join(runs["eval"]), "".join(runs["plain"])
+    assert "data text, quantize gather None reduce None" in log
+    losses = _losses(log)
+    assert losses == _losses(plain) and len(losses) == 40, losses
+    first = (losses[0, 0] + losses[1, 0]) / 2
+    last = sum(losses[d, s] for d in (0, 1) for s in (17, 18, 19)) / 6
+    assert abs(first - math.log(256)) < 0.3 and last < first - 1.0, (first, last)
+    heldout = {int(s): float(v) for s, v in re.findall(r"eval step (\d+) heldout_loss ([0-9.]+)", log)}
+    assert list(heldout) == [9, 19] and all(math.isfinite(v) for v in heldout.values()), heldout
+    assert heldout[19] < heldout[9] < math.log(256), heldout
+
+
+def test_data_and_quantization_flags_refuse_what_cannot_run(capsys) -> None:  # noqa: ANN001
+    """A vocab other than 256 with ``--data text``, held-out evaluation with ``--pp``,
+    ``--quantize-*`` with torch's fully_shard, and ``--quantize-*`` where the policy has no
+    such field: each a SystemExit that says why."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train
+
+    assert train.parse_args(["--data", "text"]).vocab == 256
+    assert train.parse_args([]).vocab == 512
+    for argv, fragment in [
+        (["--data", "text", "--vocab", "64"], "vocab of 256"),
+        (["--pp", "2", "--microbatches", "2", "--eval-every", "5"], "--eval-every cannot run with --pp"),
+        (["--impl", "torch", "--quantize-gather", "int8"], "torch's fully_shard has no quantized"),
+    ]:
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert fragment in capsys.readouterr().err, argv
+    args = train.parse_args(["--quantize-gather", "fp8", "--quantize-reduce", "int8"])
+    with pytest.raises(SystemExit, match="has no quantize_gather, quantize_reduce field"):
+        train.precision_policy(args, torch.distributed.fsdp)  # a policy without those fields
