@@ -69,6 +69,7 @@ with the same parameters as an uninterrupted run. ``FSDP2_EXAMPLE_FAIL_AT=K`` ma
 from __future__ import annotations
 
 import argparse
+import math
 import dataclasses
 import functools
 import importlib
@@ -119,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=4,
                    help="held-out batches per data rank for --eval-every")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="cosine: from --lr down to --lr/10 over --steps")
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 reduce (MixedPrecisionPolicy)")
     p.add_argument("--quantize-gather", choices=["int8", "fp8"], default=None,
                    help="quantized parameter all-gather (MixedPrecisionPolicy.quantize_gather)")
@@ -362,6 +365,17 @@ class Trainer(NamedTuple):
     train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]  # forward + backward, the loss
     data_rank: int  # which slice of the data this rank trains on
     pp_mesh: Any = None  # the pipeline stages' mesh (--pp): gradient norms span it
+
+
+def set_lr(args: argparse.Namespace, optims: list[torch.optim.Optimizer], step: int) -> None:
+    """``--lr-schedule``: each step's learning rate, a function of the step alone (so a
+    resumed run continues the same schedule)."""
+    if args.lr_schedule == "constant":
+        return
+    lr = args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(args.steps - 1, 1))))
+    for optim in optims:
+        for group in optim.param_groups:
+            group["lr"] = lr
 
 
 def make_optimizers(args: argparse.Namespace, model: nn.Module) -> list[torch.optim.Optimizer]:
@@ -711,6 +725,7 @@ def main(argv: list[str] | None = None) -> None:
         loss = train_step(inputs, targets)
         scale_expert_grads(model, args.ep)
         clip_gradients(args, model, pp_mesh)
+        set_lr(args, optims, step)
         for optim in optims:
             optim.step()
             optim.zero_grad(set_to_none=True)

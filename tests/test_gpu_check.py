@@ -27,3 +27,9 @@ def test_checks_run_over_gloo() -> None:
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert len(rows) == 6 and all("| ok |" in row for row in rows), proc.stdout
     assert "all parity checks passed" in proc.stdout
+
+
+def test_quant_check_runs_on_the_cpu() -> None:
+    proc = _run("--quant", "--cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "| quantize | torch.float32 | int8 |" in proc.stdout and "| int8 gather+reduce |" in proc.stdout, proc.stdout

@@ -23,6 +23,9 @@
 * moe (gloo at 4 ranks with ep 2, the fake process group at 64 with ep 8): a
   Mixture-of-Experts with expert parallel and per-parameter meshes, step time,
   collectives, peak memory and host time against torch's (``tools/bench_moe.py``).
+* quant: quantized all-gather / reduce (``MixedPrecisionPolicy(quantize_gather=...)``)
+  against fsdp2 in float32 and bf16: bytes per step, step time at 4 gloo ranks, host time
+  on the fake process group (``tools/bench_quant.py``).
 * estimate: ``python -m fsdp2.estimate`` of rank 0 at world size 4 against a real 4-rank
   gloo run of the example (``--measure``): its tracked live-tensor peak and its peak RSS
   above the process's baseline (the real run takes gloo's own strategies, the estimate
@@ -401,7 +404,7 @@ def bench_moe(steps: int, warmup: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "host", "moe", "estimate", "all"],
+    p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "host", "moe", "estimate", "quant", "all"],
                    default="all")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -410,6 +413,11 @@ def main() -> None:
     for name in names:
         if name == "moe":
             bench_moe(args.steps, args.warmup)
+        elif name == "quant":
+            import bench_quant
+
+            bench_quant.bench_wire(args.steps, args.warmup)
+            bench_quant.bench_host(args.steps)
         elif name == "estimate":
             bench_estimate()
         elif name == "host":

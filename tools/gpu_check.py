@@ -3,6 +3,7 @@
     python tools/gpu_check.py                # every visible GPU: world 1, then world N over NCCL
     python tools/gpu_check.py --gloo-world 2 # 2 ranks sharing the GPUs over gloo (one GPU: NCCL cannot)
     python tools/gpu_check.py --cpu          # the same checks over gloo on the CPU (CI: --cpu --small)
+    python tools/gpu_check.py --quant        # quantized communication: throughput, step cost (gpu_quant.py)
 
 For each world size: a small Llama-style model (examples/model.py) trained for a few
 steps by both libraries from the same weights on the same data, in float32 and with a
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tools")]
 
 from model import ModelArgs, Transformer  # noqa: E402
 
@@ -300,7 +301,13 @@ def main() -> int:
                    help="instead: N ranks sharing the visible GPUs over gloo (multi-rank CUDA streams on one GPU)")
     p.add_argument("--hang-seconds", type=int, default=300,
                    help="a rank still running after this prints its threads' stacks and exits")
+    p.add_argument("--quant", action="store_true",
+                   help="instead: quantized communication's kernel throughput and step cost (tools/gpu_quant.py)")
     args = p.parse_args()
+    if args.quant:
+        import gpu_quant
+
+        return gpu_quant.main(["--cpu"] if args.cpu else [])
     use_cuda = torch.cuda.is_available() and not args.cpu
     if not use_cuda and not args.cpu:
         print("gpu_check: no CUDA device here; nothing to check (run with --cpu to exercise the checks over gloo)")

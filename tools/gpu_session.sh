@@ -22,6 +22,7 @@ nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
 $py -c "import torch, fsdp2; print('torch', torch.__version__, 'cuda', torch.version.cuda,
          torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || exit 1
 step check 240 $py tools/gpu_check.py
+step quant 150 $py tools/gpu_check.py --quant
 step gloo2 150 $py tools/gpu_check.py --gloo-world 2 --hang-seconds 60
 step memory 180 $py tools/gpu_memory.py
 step deposit 60 $py tools/bench_deposit.py --world 8 --dim 4096

@@ -80,7 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="cosine",
+                   help="the example's: cosine decays to lr/10 by the last step, which steadies the final loss")
+    p.add_argument("--seeds", default="0,1,2",
+                   help="comma-separated: every setting runs once per seed (weights and data order); the gaps "
+                        "are taken per seed against fp32 of the same seed and averaged")
     p.add_argument("--extra", default="", help="more flags for every setting, e.g. '--bf16'")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one setting may take")
     p.add_argument("--png", default=os.path.join(ROOT, "docs", "quant_convergence.png"),
@@ -90,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.command = list(sys.argv[1:] if argv is None else argv)  # for the report
     args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     unknown = [s for s in args.settings if s not in SETTINGS]
     if unknown or not args.settings:
         p.error(f"--settings: unknown {unknown} (choose from {', '.join(SETTINGS)})")
@@ -98,12 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def example_argv(args: argparse.Namespace, setting: Setting) -> list[str]:
-    """The example's command line for one setting: the same model, data and seed for all."""
+def example_argv(args: argparse.Namespace, setting: Setting, seed: int) -> list[str]:
+    """The example's command line for one setting and seed: the same model and data for all."""
     return ["--data", "text", "--steps", str(args.steps), "--eval-every", str(args.eval_every),
             "--eval-batches", str(args.eval_batches), "--dim", str(args.dim), "--layers", str(args.layers),
             "--heads", str(args.heads), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-            "--lr", str(args.lr), "--seed", str(args.seed), *args.extra.split(), *setting.flags]
+            "--lr", str(args.lr), "--lr-schedule", args.lr_schedule, "--seed", str(seed), *args.extra.split(),
+            *setting.flags]
 
 
 def _rank(rank: int, world: int, argv: list[str]) -> str:
@@ -131,30 +137,58 @@ def parse_logs(logs: list[str], seconds: float) -> Curves:
     return Curves(train, heldout, times[len(times) // 2], seconds)
 
 
-def run_setting(args: argparse.Namespace, name: str) -> Outcome:
+def run_setting(args: argparse.Namespace, name: str, seed: int) -> Outcome:
     start = time.perf_counter()
     try:
-        logs = run_ranks(_rank, args.ranks, example_argv(args, SETTINGS[name]), timeout=args.timeout)
+        logs = run_ranks(_rank, args.ranks, example_argv(args, SETTINGS[name], seed), timeout=args.timeout)
     except RankError as e:
         lines = [line for line in str(e).splitlines() if line.strip()]
         return Outcome(None, lines[-1] if lines else "failed")
     return Outcome(parse_logs(logs, time.perf_counter() - start), "")
 
 
+# setting -> seed -> its run
+Results = dict[str, dict[int, Outcome]]
+
+
 def gap_pct(loss: float, reference: float) -> float:
     return (loss - reference) / reference * 100
 
 
-def table(args: argparse.Namespace, results: dict[str, Outcome]) -> str:
+def seed_gaps(results: Results, name: str) -> list[float] | None:
+    """The setting's held-out gap to fp32 per seed (paired: same weights and data), or
+    None when a run is missing."""
+    ref = results.get(REFERENCE, {})
+    gaps = []
+    for seed, outcome in results[name].items():
+        base = ref.get(seed)
+        if outcome.curves is None or base is None or base.curves is None:
+            return None
+        gaps.append(gap_pct(final_heldout(outcome.curves), final_heldout(base.curves)))
+    return gaps
+
+
+def table(args: argparse.Namespace, results: Results) -> str:
     """The markdown report: how it was made, then one row per setting."""
-    ref = results.get(REFERENCE)
-    ref_loss = final_heldout(ref.curves) if ref and ref.curves else None
-    header = ("| setting | train loss (last 10 steps) | final held-out loss | gap to fp32 | target | meets "
+    header = ("| setting | final held-out loss (mean) | gap to fp32 per seed | mean gap | target | meets "
               "| step (ms) | time (s) |")
     lines = ["# Quantized communication: convergence against full precision", "", describe(args), "", header,
-             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
-    lines += [_row(name, outcome, ref_loss) for name, outcome in results.items()]
+             "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
+    lines += [_row(results, name) for name in results]
+    spread = _seed_spread(results)
+    if spread:
+        lines += ["", spread]
     return "\n".join(lines) + "\n"
+
+
+def _seed_spread(results: Results) -> str:
+    """How much fp32's own final loss moves with the seed: the scale a gap is read against."""
+    finals = [final_heldout(o.curves) for o in results.get(REFERENCE, {}).values() if o.curves is not None]
+    if len(finals) < 2:
+        return ""
+    mean = sum(finals) / len(finals)
+    return (f"fp32's final held-out loss over the seeds: {min(finals):.4f} to {max(finals):.4f} "
+            f"(a spread of {(max(finals) - min(finals)) / mean * 100:.2f}% of the mean).")
 
 
 def describe(args: argparse.Namespace) -> str:
@@ -163,28 +197,33 @@ def describe(args: argparse.Namespace) -> str:
     return (
         f"`{command}`: the example's model (dim {args.dim}, {args.layers} layers, {args.heads} heads) on "
         f"`--data text` at {args.ranks} gloo ranks, {args.steps} steps, seq {args.seq_len}, batch "
-        f"{args.batch_size} per rank, lr {args.lr}, seed {args.seed}{extra}; held-out loss every "
-        f"{args.eval_every} steps on {args.eval_batches} batches per rank, the same batches for every "
-        f"setting. torch {torch.__version__}, Python {platform.python_version()} (its standard library is "
-        "the corpus). The gap is one-sided: a lower loss than fp32 always meets the target."
+        f"{args.batch_size} per rank, lr {args.lr} ({args.lr_schedule}), seeds {args.seeds}{extra}; "
+        f"held-out loss every {args.eval_every} steps on {args.eval_batches} batches per rank, the same "
+        f"batches for every setting, evaluated through the same (quantized) forward. torch {torch.__version__}, "
+        f"Python {platform.python_version()} (its standard library is the corpus). A gap is the setting's final "
+        "held-out loss against fp32's of the same seed; one-sided: a lower loss always meets the target."
     )
 
 
-def _row(name: str, outcome: Outcome, ref_loss: float | None) -> str:
+def _row(results: Results, name: str) -> str:
     target = SETTINGS[name].target_pct
     target_text = "reference" if target is None else f"within {target:g}%"
-    if outcome.curves is None:
-        return f"| {name} | - | - | - | {target_text} | failed: {outcome.error.replace('|', '/')} | - | - |"
-    curves = outcome.curves
-    final_train = moving_mean(list(curves.train.values()), 10)[-1]
-    final = final_heldout(curves)
-    if ref_loss is None or target is None:
-        gap, meets = ("-", "-") if ref_loss is None else ("0.00%", "-")
+    runs = results[name]
+    failed = [o.error for o in runs.values() if o.curves is None]
+    if failed:
+        return f"| {name} | - | - | - | {target_text} | failed: {failed[0].replace('|', '/')} | - | - |"
+    curves = [o.curves for o in runs.values() if o.curves is not None]
+    final = sum(final_heldout(c) for c in curves) / len(curves)
+    step_ms = sorted(c.step_ms for c in curves)[len(curves) // 2]
+    seconds = sum(c.seconds for c in curves)
+    gaps = seed_gaps(results, name)
+    if target is None or gaps is None:
+        per_seed, mean, meets = "-", ("0.00%" if target is None else "-"), "-"
     else:
-        gap = f"{gap_pct(final, ref_loss):+.2f}%"
-        meets = "yes" if gap_pct(final, ref_loss) <= target else "**no**"
-    return (f"| {name} | {final_train:.4f} | {final:.4f} | {gap} | {target_text} | {meets} | "
-            f"{curves.step_ms:.0f} | {curves.seconds:.0f} |")
+        per_seed = ", ".join(f"{g:+.2f}%" for g in gaps)
+        mean_gap = sum(gaps) / len(gaps)
+        mean, meets = f"{mean_gap:+.2f}%", ("yes" if mean_gap <= target else "**no**")
+    return f"| {name} | {final:.4f} | {per_seed} | {mean} | {target_text} | {meets} | {step_ms:.0f} | {seconds:.0f} |"
 
 
 def final_heldout(curves: Curves) -> float:
@@ -196,22 +235,31 @@ def moving_mean(values: list[float], n: int) -> list[float]:
     return [sum(values[max(0, i - n + 1):i + 1]) / (i + 1 - max(0, i - n + 1)) for i in range(len(values))]
 
 
-def plot(results: dict[str, Outcome], path: str) -> None:
-    """Train loss (a 10-step moving mean) and held-out loss against the step."""
+def mean_curve(curves: list[dict[int, float]]) -> dict[int, float]:
+    """The mean over runs at the steps every run has."""
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return {s: sum(c[s] for c in curves) / len(curves) for s in steps}
+
+
+def plot(results: Results, path: str) -> None:
+    """Train loss (a 10-step moving mean) and held-out loss against the step, each the mean
+    over the seeds."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, outcome in results.items():
-        if outcome.curves is None:
+    for name, runs in results.items():
+        curves = [o.curves for o in runs.values() if o.curves is not None]
+        if not curves:
             continue
-        train, heldout = outcome.curves.train, outcome.curves.heldout
+        train, heldout = mean_curve([c.train for c in curves]), mean_curve([c.heldout for c in curves])
         left.plot(list(train), moving_mean(list(train.values()), 10), label=name, linewidth=1)
         right.plot(list(heldout), list(heldout.values()), marker="o", markersize=3, label=name, linewidth=1)
-    left.set(title="train loss (10-step mean)", xlabel="step", ylabel="loss")
-    right.set(title="held-out loss", xlabel="step", ylabel="loss")
+    seeds = len(next(iter(results.values())))
+    left.set(title=f"train loss (10-step mean, mean of {seeds} seeds)", xlabel="step", ylabel="loss")
+    right.set(title=f"held-out loss (mean of {seeds} seeds)", xlabel="step", ylabel="loss")
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -220,7 +268,7 @@ def plot(results: dict[str, Outcome], path: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(args: argparse.Namespace, results: dict[str, Outcome]) -> None:
+def write_outputs(args: argparse.Namespace, results: Results) -> None:
     for path in (args.md, args.png, args.json):
         if path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -230,26 +278,30 @@ def write_outputs(args: argparse.Namespace, results: dict[str, Outcome]) -> None
         plot(results, args.png)
     if args.json:
         with open(args.json, "w") as f:
-            curves = {n: o.curves._asdict() if o.curves else {"error": o.error} for n, o in results.items()}
+            curves = {
+                n: {seed: o.curves._asdict() if o.curves else {"error": o.error} for seed, o in runs.items()}
+                for n, runs in results.items()
+            }
             json.dump(curves, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results: dict[str, Outcome] = {}
+    results: Results = {}
     for name in args.settings:
-        print(f"{name}: {' '.join(example_argv(args, SETTINGS[name]))}", flush=True)
-        results[name] = outcome = run_setting(args, name)
-        if outcome.curves is None:
-            print(f"  failed: {outcome.error}", flush=True)
-            continue
-        curves = outcome.curves
-        print(f"  {curves.seconds:.0f} s ({curves.step_ms:.0f} ms a step), final held-out loss "
-              f"{final_heldout(curves):.4f}", flush=True)
+        for seed in args.seeds:
+            print(f"{name} seed {seed}: {' '.join(example_argv(args, SETTINGS[name], seed))}", flush=True)
+            results.setdefault(name, {})[seed] = outcome = run_setting(args, name, seed)
+            if outcome.curves is None:
+                print(f"  failed: {outcome.error}", flush=True)
+                continue
+            curves = outcome.curves
+            print(f"  {curves.seconds:.0f} s ({curves.step_ms:.0f} ms a step), final held-out loss "
+                  f"{final_heldout(curves):.4f}", flush=True)
     write_outputs(args, results)
     print(table(args, results), end="")
     print(f"wrote {', '.join(p for p in (args.md, args.png, args.json) if p)}", flush=True)
-    return 0 if all(o.curves is not None for o in results.values()) else 1
+    return 0 if all(o.curves is not None for runs in results.values() for o in runs.values()) else 1
 
 
 if __name__ == "__main__":  # the ranks start from a fork server that imports this file again

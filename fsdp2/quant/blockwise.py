@@ -68,6 +68,9 @@ def unpack(padded: torch.Tensor, spec: BlockQuantization, rows: RowLayout, segme
     dropped: one copy."""
     if segments and segments[0].dtype != padded.dtype:  # one copy splits it, in one dtype
         padded = padded.to(segments[0].dtype)
+    if rows.numel == padded.shape[1] and len(segments) == 1:
+        segments[0].copy_(padded)
+        return
     scratch = padded.new_empty(padded.shape[0], spec.block_size)  # where the padding goes
     pieces = _pieces(rows, spec.block_size, segments, scratch)
     torch.split_with_sizes_copy(padded, rows.padded_sizes(spec.block_size), dim=1, out=pieces)
@@ -87,24 +90,32 @@ def payload_of(packed: torch.Tensor, spec: BlockQuantization, rows: RowLayout) -
 
 def quantize_rows(x: torch.Tensor, spec: BlockQuantization, rows: RowLayout, out: torch.Tensor) -> None:
     """Write the scales and payload of each row of ``x`` (``R x numel``, any float dtype)
-    into the byte rows ``out`` (``R x nbytes``, uint8); the tail is left to the caller."""
+    into the byte rows ``out`` (``R x nbytes``, uint8); the tail is left to the caller.
+    Six kernels after the packing copy: amax, two on the scales, divide, round (int8),
+    the cast into the payload. No clamp: ``|x| / (amax / qmax)`` exceeds ``qmax`` by a
+    rounding at most, which int8's rounding and e4m3's cast bring back to ``qmax``."""
     blocks = pack(x, spec, rows)
-    scale = blocks.abs().amax(dim=2, keepdim=True).div_(spec.qmax).clamp_min_(_TINY)
+    scale = scales_of(out, rows)  # written in place: the divisor is the scale sent
+    torch.div(torch.linalg.vector_norm(blocks, ord=float("inf"), dim=2, keepdim=True), spec.qmax, out=scale)
+    scale.clamp_min_(_TINY)
     q = blocks.div_(scale)  # ``pack`` made a copy
     if spec.dtype == torch.int8:
         q = q.round_()
-    q.clamp_(-spec.qmax, spec.qmax)
     payload_of(out, spec, rows).copy_(q)
-    scales_of(out, rows).copy_(scale)
 
 
-def dequantize_rows(packed: torch.Tensor, spec: BlockQuantization, rows: RowLayout) -> torch.Tensor:
-    """The values of byte rows ``packed`` (``R x nbytes``) as float32 ``R x blocks*block_size``
-    (``q * scale``, still padded: ``unpack`` drops the padding)."""
-    values = payload_of(packed, spec, rows).to(SCALE_DTYPE).mul_(scales_of(packed, rows))
+def dequantize_rows(packed: torch.Tensor, spec: BlockQuantization, rows: RowLayout, dtype: torch.dtype = SCALE_DTYPE) -> torch.Tensor:
+    """The values of byte rows ``packed`` (``R x nbytes``) as ``R x blocks*block_size`` of
+    ``dtype`` (``q * scale`` computed in float32, then cast; still padded: ``unpack``
+    drops the padding). One kernel for int8, two for float8."""
+    values = torch.empty(packed.shape[0], rows.blocks, spec.block_size, dtype=dtype, device=packed.device)
+    payload = payload_of(packed, spec, rows)
+    if spec.dtype != torch.int8:  # torch does not promote float8: widen it first (a second kernel)
+        payload = payload.to(SCALE_DTYPE)
+    torch.mul(payload, scales_of(packed, rows), out=values)
     return values.view(packed.shape[0], -1)
 
 
 def dequantize_into(packed: torch.Tensor, spec: BlockQuantization, rows: RowLayout, out: torch.Tensor) -> None:
-    """``out`` (``R x numel``, any float dtype) = the dequantized rows of ``packed``."""
-    unpack(dequantize_rows(packed, spec, rows), spec, rows, segments_of(out, rows))
+    """``out`` (``R x n``, any float dtype) = the dequantized rows of ``packed``."""
+    unpack(dequantize_rows(packed, spec, rows, out.dtype), spec, rows, segments_of(out, rows))

@@ -78,7 +78,7 @@ class QuantizedGather(BucketGather):
         self._pending = None
         self._release_send()
         with traced("fsdp2::dequantize"):
-            padded = dequantize_rows(packed, self.spec, rows)  # W x padded S, float32
+            padded = dequantize_rows(packed, self.spec, rows, b.compute_dtype)  # W x padded S
         pool.release(self.buf)
         self.buf = None
         with traced("fsdp2::copy_out"):
