@@ -9,7 +9,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 HEAVY_FIRST = [
     "test_train_example.py", "test_tensor_parallel.py", "test_train_example_moe.py", "test_moe.py", "test_muon.py", "test_leaks.py",
     "test_cpu_offload.py", "test_compile.py", "test_nd_checkpoint.py", "test_optimizer.py", "test_estimate.py",
-    "test_accelerator_path.py", "test_state_dict.py", "test_gpu_check.py", "test_nd_meshes.py",
+    "test_accelerator_path.py", "test_state_dict.py", "test_gpu_check.py", "test_nd_meshes.py", "test_quant.py",
+    "test_train_example_quant.py",
 ]
 
 

@@ -27,7 +27,10 @@ from _dist import run_ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train.py")
 SMALL = ["--steps", "3", "--dim", "64", "--layers", "2", "--vocab", "256", "--seq-len", "32"]
-VARIANTS = {"1d": [], "tp": ["--tp", "2"], "pp": ["--pp", "2", "--batch-size", "4"], "moe": ["--moe", "--ep", "2"]}
+VARIANTS = {
+    "1d": [], "tp": ["--tp", "2"], "pp": ["--pp", "2", "--batch-size", "4"], "moe": ["--moe", "--ep", "2"],
+    "quant": ["--quantize-gather", "int8", "--quantize-reduce", "fp8"],  # its byte rows and temporaries counted
+}
 
 
 def _estimate_cli(world: int, args: list[str]) -> dict[str, Any]:

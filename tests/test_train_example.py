@@ -63,6 +63,9 @@ def tested_flag_sets() -> list[tuple[list[str], bool]]:
     runs += [(flags, False) for _, flags in MUON_RUNS.values()]
     runs += [(MOE, False), ([*MOE, *CHECKPOINTED], True)] + [(flags, False) for _, flags in MOE_RUNS.values()]
     runs += [([*TEXT, *EVAL], False), (TEXT, False)]
+    from test_train_example_quant import QUANT, QUANT_RUNS
+
+    runs += [(flags, False) for _, flags in QUANT_RUNS.values()] + [([*flags, *QUANT], False) for _, flags in QUANT_RUNS.values()]
     return runs
 
 
