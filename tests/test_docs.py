@@ -147,7 +147,7 @@ def check(cmd: str) -> str:
         with mock.patch.object(sys, "argv", words[1:]), mock.patch.object(bench, "bench_speed"), \
                 mock.patch.object(bench, "bench_memory"), mock.patch.object(bench, "bench_optim"), \
                 mock.patch.object(bench, "bench_host"), mock.patch.object(bench, "bench_estimate"), \
-                mock.patch.object(bench, "bench_moe"):
+                mock.patch.object(bench, "bench_moe"), mock.patch.object(bench, "bench_quant"):
             bench.main()
         return "parsed"
     if words[:2] in (["python", "tools/gpu_check.py"], ["python", "tools/gpu_memory.py"]) and "--cpu" not in words:
@@ -155,6 +155,9 @@ def check(cmd: str) -> str:
                               env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         return "ran"
+    if words[:2] == ["python", "tools/quant_convergence.py"]:  # minutes of training: its flags parsed
+        _load(ROOT / "tools" / "quant_convergence.py", "docs_quant_convergence").parse_args(words[2:])
+        return "parsed"
     if words[:2] == ["python", "tools/bench_deposit.py"]:  # a small instance of it
         done = subprocess.run([sys.executable, *words[1:], "--dim", "64", "--device", "cpu"], check=False,
                               capture_output=True, text=True, cwd=ROOT, timeout=120)

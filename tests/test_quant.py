@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _comm import CommCounter
+from _dist import cached_outcome, run_ranks, run_scenarios
 from torch import nn
 
 import fsdp2
-from _comm import CommCounter
-from _dist import cached_outcome, run_ranks, run_scenarios
 from fsdp2.quant.blockwise import dequantize_into, quantize_rows
 from fsdp2.quant.spec import BlockQuantization, RowLayout
 
@@ -73,7 +73,7 @@ def _reference_segment(v: np.ndarray, kind: str, block: int) -> tuple[np.ndarray
     for i in range(blocks):
         chunk = padded[i * block : (i + 1) * block]
         amax = np.max(np.abs(chunk))
-        scale = np.maximum(np.float32(amax) / np.float32(QMAX[kind]), TINY)  # NaN stays NaN
+        scale = np.maximum(np.float32(amax) * np.float32(1 / QMAX[kind]), TINY)  # NaN stays NaN
         q = chunk / scale
         if kind == "int8":
             q = np.nan_to_num(np.clip(np.rint(q), -127, 127)).astype(np.int8)  # an integer: no -0

@@ -402,6 +402,13 @@ def bench_moe(steps: int, warmup: int) -> None:
     moe.bench_host(steps)
 
 
+def bench_quant(steps: int, warmup: int) -> None:
+    import bench_quant as quant
+
+    quant.bench_wire(steps, warmup)
+    quant.bench_host(steps)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["deep", "wide", "big", "local", "optim", "host", "moe", "estimate", "quant", "all"],
@@ -414,10 +421,7 @@ def main() -> None:
         if name == "moe":
             bench_moe(args.steps, args.warmup)
         elif name == "quant":
-            import bench_quant
-
-            bench_quant.bench_wire(args.steps, args.warmup)
-            bench_quant.bench_host(args.steps)
+            bench_quant(args.steps, args.warmup)
         elif name == "estimate":
             bench_estimate()
         elif name == "host":

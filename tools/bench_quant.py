@@ -47,8 +47,9 @@ WORLD = 4
 
 
 def build(variant: str, args: Any, meta: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    import fsdp2
     import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp2
 
     with torch.device("meta" if meta else "cpu"):
         model = Transformer(args)

@@ -96,7 +96,9 @@ def quantize_rows(x: torch.Tensor, spec: BlockQuantization, rows: RowLayout, out
     rounding at most, which int8's rounding and e4m3's cast bring back to ``qmax``."""
     blocks = pack(x, spec, rows)
     scale = scales_of(out, rows)  # written in place: the divisor is the scale sent
-    torch.div(torch.linalg.vector_norm(blocks, ord=float("inf"), dim=2, keepdim=True), spec.qmax, out=scale)
+    # ``amax * (1 / qmax)``, not ``amax / qmax``: a division by a scalar is a product by its
+    # reciprocal on CUDA, so this is the same bits on every device.
+    torch.mul(torch.linalg.vector_norm(blocks, ord=float("inf"), dim=2, keepdim=True), 1.0 / spec.qmax, out=scale)
     scale.clamp_min_(_TINY)
     q = blocks.div_(scale)  # ``pack`` made a copy
     if spec.dtype == torch.int8:

@@ -21,7 +21,7 @@ import torch
 
 from .._collectives import all_gather_flat, traced, wait_pending
 from .._gather import BucketGather
-from .blockwise import dequantize_rows, quantize_rows, segments_of, unpack
+from .codec import BlockCodec
 from .spec import BlockQuantization, RowLayout
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class QuantizedGather(BucketGather):
         self.spec = spec
         self._send: torch.Tensor | None = None  # pooled, this rank's row: kept until waited
         self._rows: RowLayout | None = None  # set while a quantized gather is in flight
-        self._layout: RowLayout | None = None
+        self._codec: BlockCodec | None = None
 
     def start(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
         b = self.bucket
@@ -58,10 +58,11 @@ class QuantizedGather(BucketGather):
         source = b.sharded_flat[: b.shard_numel]
         if b.offload is not None:
             source = b.offload.to_compute(source)
-        rows = self._rows = self._row_layout()
+        codec = self._codec_for_bucket()
+        rows = self._rows = codec.rows
         self._send = comm.pool.acquire(rows.nbytes, torch.uint8, source.device)
         with traced("fsdp2::quantize"):
-            quantize_rows(source.view(1, -1), self.spec, rows, self._send.view(1, -1))
+            codec.quantize(source.view(1, -1), self._send.view(1, -1))
         self.buf = comm.pool.acquire(comm.shard_size * rows.nbytes, torch.uint8, source.device)
         self._pooled = True
         label = f"{self.spec.name} all-gather of {b.name}"
@@ -77,29 +78,27 @@ class QuantizedGather(BucketGather):
         packed = wait_pending(self._pending).view(world, rows.nbytes)
         self._pending = None
         self._release_send()
+        codec = self._codec_for_bucket()
         with traced("fsdp2::dequantize"):
-            padded = dequantize_rows(packed, self.spec, rows, b.compute_dtype)  # W x padded S
-        pool.release(self.buf)
-        self.buf = None
-        with traced("fsdp2::copy_out"):
             if b.blocks_are_the_values:  # straight into the parameters' regions
-                unpack(padded, self.spec, rows, b.regions)
+                codec.dequantize_regions(packed, b.regions, b.unsharded_write)
             else:
                 values = pool.acquire(world * b.shard_numel, b.compute_dtype, b.device)
-                blocks = values.view(world, b.shard_numel)
-                unpack(padded, self.spec, rows, segments_of(blocks, rows))
-                self.copy_out(blocks)
+                codec.dequantize_blocks(packed, values.view(world, b.shard_numel))
+                self.copy_out(values.view(world, b.shard_numel))
                 pool.release(values)
+        pool.release(self.buf)
+        self.buf = None
         self.partial = None
         if b.scalars or b.offload is not None:
             self._finish_tail()
 
-    def _row_layout(self) -> RowLayout:
+    def _codec_for_bucket(self) -> BlockCodec:
         """One segment per sharded parameter (built once; the bucket's layout is fixed)."""
         sizes = tuple(p.shard_numel for p in self.bucket.sharded_params)
-        if self._layout is None or self._layout.sizes != sizes:
-            self._layout = RowLayout.of(self.spec, sizes)
-        return self._layout
+        if self._codec is None or self._codec.rows.sizes != sizes:
+            self._codec = BlockCodec(self.spec, RowLayout.of(self.spec, sizes))
+        return self._codec
 
     def drop(self) -> None:
         try:

@@ -19,7 +19,7 @@ from .._buffers import BufferPool
 from .._collectives import Pending, all_to_all_rows, traced
 from .._mesh import MeshInfo
 from .._reduce_layout import ReduceLayout
-from .blockwise import dequantize_rows, quantize_rows, segments_of, unpack
+from .codec import BlockCodec
 from .spec import BlockQuantization, RowLayout
 
 
@@ -29,6 +29,7 @@ class QuantizedReduce:
     def __init__(self, spec: BlockQuantization) -> None:
         self.spec = spec
         self._bufs: list[torch.Tensor] = []  # pooled send and receive rows, until staged
+        self._codec: BlockCodec | None = None  # for the last layout
 
     def start(self, input2d: torch.Tensor, layout: ReduceLayout, comm: MeshInfo, label: str) -> Pending:
         """Issue the all-to-all of ``input2d``'s rows, the gradients quantized (one segment
@@ -37,31 +38,32 @@ class QuantizedReduce:
         grad_numel = layout.grad_numel
         tail = numel - grad_numel
         rows = RowLayout.of(self.spec, tuple(p.shard_numel for p in layout.params), tail * input2d.element_size())
+        if self._codec is None or self._codec.rows != rows:
+            self._codec = BlockCodec(self.spec, rows)
+        codec = self._codec
         send, recv = (comm.pool.acquire(world * rows.nbytes, torch.uint8, input2d.device) for _ in range(2))
         self._bufs = [send, recv]
         send2d = send.view(world, rows.nbytes)
         with traced("fsdp2::quantize"):
-            quantize_rows(input2d[:, :grad_numel], self.spec, rows, send2d)
+            codec.quantize(input2d[:, :grad_numel], send2d)
             if tail:
                 send2d[:, : tail * input2d.element_size()].view(input2d.dtype).copy_(input2d[:, grad_numel:])
 
         def combine(received: torch.Tensor, result: torch.Tensor) -> None:
-            self._combine(received.view(world, rows.nbytes), result, rows, input2d.dtype)
+            self._combine(codec, received.view(world, rows.nbytes), result, input2d.dtype)
 
         result = input2d[comm.shard_rank]
         return all_to_all_rows(send, recv, comm.shard_group, result, combine, f"{self.spec.name} {label}")
 
-    def _combine(self, received: torch.Tensor, result: torch.Tensor, rows: RowLayout, dtype: torch.dtype) -> None:
+    def _combine(self, codec: BlockCodec, received: torch.Tensor, result: torch.Tensor, dtype: torch.dtype) -> None:
         """``result`` = the sum over ranks, in rank order, of the received rows."""
+        numel = codec.rows.numel
         with traced("fsdp2::dequantize"):
-            values = dequantize_rows(received, self.spec, rows)  # W x padded, float32
-            _sum_in_order(values, values[0])
-            row = result[: rows.numel].view(1, -1)
-            unpack(values[:1], self.spec, rows, segments_of(row, rows))
-            tail = result.numel() - rows.numel
+            codec.dequantize_sum(received, result[:numel])
+            tail = result.numel() - numel
             if tail:
                 exact = received[:, : tail * dtype.itemsize].view(dtype)
-                _sum_in_order(exact, result[rows.numel :])
+                _sum_in_order(exact, result[numel:])
 
     def release(self, pool: BufferPool) -> None:
         for buf in self._bufs:

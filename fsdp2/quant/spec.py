@@ -1,7 +1,8 @@
 """What a quantized collective sends: the dtype, the block size, the byte layout of a row.
 
 A row of ``n`` values is cut into ``ceil(n / block_size)`` blocks (the last one padded
-with zeros); each block gets one float32 scale, ``amax(|block|) / qmax``, and its values
+with zeros); each block gets one float32 scale, ``amax(|block|) * (1 / qmax)`` (the
+reciprocal rounded to float32; at least the smallest normal float32), and its values
 are sent as ``round(x / scale)`` in the quantized dtype (int8: round half to even, clamped
 to [-127, 127]; float8 e4m3: the cast's rounding, clamped to [-448, 448]). The receiver
 computes ``q * scale`` in float32. A row on the wire (``RowLayout``), every part aligned to
