@@ -32,4 +32,6 @@ def test_checks_run_over_gloo() -> None:
 def test_quant_check_runs_on_the_cpu() -> None:
     proc = _run("--quant", "--cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "| quantize | torch.float32 | int8 |" in proc.stdout and "| int8 gather+reduce |" in proc.stdout, proc.stdout
+    out = proc.stdout
+    assert "| quantize | reference | float32 | int8 |" in out and "| int8 gather+reduce, reference |" in out, out
+    assert "fused kernels agree with the reference bit for bit" in out, out

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tools")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from model import ModelArgs, Transformer  # noqa: E402
 
@@ -304,10 +304,11 @@ def main() -> int:
     p.add_argument("--quant", action="store_true",
                    help="instead: quantized communication's kernel throughput and step cost (tools/gpu_quant.py)")
     args = p.parse_args()
-    if args.quant:
-        import gpu_quant
+    if args.quant:  # its own process: it starts the fake process group, which it builds on this file's models
+        import subprocess
 
-        return gpu_quant.main(["--cpu"] if args.cpu else [])
+        script = os.path.join(ROOT, "tools", "gpu_quant.py")
+        return subprocess.run([sys.executable, script, *(["--cpu"] if args.cpu else [])], check=False).returncode
     use_cuda = torch.cuda.is_available() and not args.cpu
     if not use_cuda and not args.cpu:
         print("gpu_check: no CUDA device here; nothing to check (run with --cpu to exercise the checks over gloo)")
