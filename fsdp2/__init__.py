@@ -10,9 +10,9 @@ from .api import (
     OffloadPolicy,
     ShardPlacementResult,
 )
-from .quant import BlockQuantization
 from .fully_shard import fully_shard
 from .optim import clip_grad_norm_
+from .quant import BlockQuantization
 
 __all__ = [
     "BlockQuantization",

@@ -116,7 +116,7 @@ def wait_pending(pending: Pending) -> torch.Tensor:
     if pending.work is not None:
         _wait(pending.work.wait, pending.label)
     if pending.rows is not None:
-        (pending.combine or _sum_rows)(pending.rows, pending.result)
+        (pending.combine or sum_rows)(pending.rows, pending.result)
     return pending.result
 
 
@@ -288,7 +288,7 @@ def all_to_all_rows(
     return Pending(work, result, label, rows=recv, combine=combine)
 
 
-def _sum_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def sum_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = rows[0] + rows[1] + ...``, in this order on every rank."""
     with traced("fsdp2::sum_rows"):
         torch.add(rows[0], rows[1], out=out)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from ._collectives import Pending, all_reduce_in_place, reduce_scatter_flat, traced, wait_pending
 from ._param import FSDPParam
 from ._reduce_layout import ReduceLayout
-from .quant.gather import quantizes
 from .quant.reduce import QuantizedReduce
+from .quant.spec import quantizes
 
 if TYPE_CHECKING:
     from ._bucket_view import BucketView
@@ -154,9 +154,14 @@ class BucketReduce:
     def input2d(self) -> torch.Tensor:
         """The pooled reduce input, ``W x N``, acquired on first use."""
         b, layout = self.bucket, self.layout()
+        world = b.comm.shard_size
         if self._input is None:
             self._input = b.comm.pool.acquire(b.comm_numel(), b.reduce_dtype, b.device)
-        world = b.comm.shard_size
+            if self.quant is not None:
+                # Deposits leave the padding past an uneven shard's values as the pool
+                # left it; a plain reduce adds it elementwise and ``stage`` zeroes it, but
+                # a quantized block spans it: garbage there (a NaN) would spoil the block.
+                self._input[: world * layout.numel].zero_()
         return self._input[: world * layout.numel].view(world, layout.numel)
 
     def has_pooled_input(self) -> bool:
@@ -345,8 +350,11 @@ class BucketReduce:
         return self.custom is None and not by_rows and comm.shard_size > 1
 
     def _quantized(self) -> bool:
-        """This bucket's reduce is quantized (``fsdp2.quant.reduce``)."""
-        return self.quant is not None and self.custom is None and quantizes(self.bucket)
+        """This bucket's reduce is quantized (``fsdp2.quant.reduce``): asked, no custom
+        collective, and every bucket it carries may be (none with an all-gather extension)."""
+        return (
+            self.quant is not None and self.custom is None and all(quantizes(r.bucket) for r in [self, *self.riders])
+        )
 
     def release_buffers(self) -> None:
         """The reduce input and the all-to-all's receive buffer go back to the pool."""

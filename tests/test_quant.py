@@ -145,10 +145,9 @@ def test_policy_fields_and_errors() -> None:
         fsdp2.MixedPrecisionPolicy(quantize_gather="int4")
     with pytest.raises(ValueError, match="quantize_reduce expects"):
         fsdp2.MixedPrecisionPolicy(quantize_reduce=torch.float16)
-    with pytest.raises(ValueError, match="positive multiple of 16"):
-        fsdp2.BlockQuantization("int8", 100)
-    with pytest.raises(ValueError, match="positive multiple of 16"):
-        fsdp2.BlockQuantization("int8", 0)
+    for bad in (100, 0, 8, 48, 1 << 17):  # powers of two only: the fused kernels' blocks are
+        with pytest.raises(ValueError, match="power of two from 16 to 65536"):
+            fsdp2.BlockQuantization("int8", bad)
     with pytest.raises(TypeError, match="block_size must be an int"):
         fsdp2.BlockQuantization("int8", 128.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="torch.int8"):
@@ -207,20 +206,32 @@ def _gathered_equal_dequantized(rank: int, world: int, kind: str) -> bool:
     return ok
 
 
-def _reduced_equal_reference(rank: int, world: int, kind: str) -> bool:
+def _reduced_equal_reference(rank: int, world: int, kind: str, poisoned: bool = False) -> bool:
+    """``poisoned``: float32 parameters reduced in float64 (each gradient deposited on its
+    own, leaving the padding past the uneven shards as the pool left it), the pool full of
+    NaN beforehand: the padding must not leak into a block."""
     torch.manual_seed(0)
-    model = Probe()
-    fsdp2.fully_shard(model, mp_policy=fsdp2.MixedPrecisionPolicy(quantize_reduce=BlockQuantization(kind, 16)))
-    model(*_grads_of(rank)).backward()
+    model = Probe() if not poisoned else Probe().float()
+    spec = BlockQuantization(kind, 16)
+    mp = fsdp2.MixedPrecisionPolicy(reduce_dtype=torch.float64 if poisoned else None, quantize_reduce=spec)
+    fsdp2.fully_shard(model, mp_policy=mp)
+    dtype = torch.float32 if poisoned else torch.float64
+    cw, cb = (c.to(dtype) for c in _grads_of(rank))
+    loss = model(cw, cb)
     b = _bucket(model)
+    if poisoned:  # every idle buffer full of NaN bytes: the reduce input is one of them
+        b.comm.pool.release(b.comm.pool.acquire(4 * b.comm_numel(), torch.float64, b.device))
+        for raw in [r for free in b.comm.pool._free.values() for r in free]:
+            raw.fill_(255)
+    loss.backward()
     layout = b.reduce.layout()
     # Rank s's reduce input row for this rank: each parameter's rows of this rank, padded.
     rows = []
     for s in range(world):
-        cw, cb = _grads_of(s)
+        full_w, full_b = (c.to(dtype) for c in _grads_of(s))
         parts = []
         for p in layout.params:
-            full = {"w": cw, "b": cb}[p.fqn]
+            full = {"w": full_w, "b": full_b}[p.fqn]
             chunk = full.chunk(world)[rank].reshape(-1) if rank < len(full.chunk(world)) else full.new_zeros(0)
             parts.append(torch.cat([chunk, chunk.new_zeros(p.shard_numel - chunk.numel())]))
         sizes = tuple(p.shard_numel for p in layout.params)
@@ -228,11 +239,12 @@ def _reduced_equal_reference(rank: int, world: int, kind: str) -> bool:
     total = rows[0].clone()
     for row in rows[1:]:
         total += row  # float32, rank order
-    expected = total.to(torch.float64) / world
+    expected = (total.to(torch.float64) / world).to(dtype)
     got = torch.cat([model.w.grad._local_tensor.reshape(-1), model.b.grad._local_tensor.reshape(-1)])
     want = torch.cat([expected[off : off + p.layout.local_numel] for p, off in zip(layout.params, layout.offsets)])
-    scalar = sum(_grads_of(s)[1].sum() for s in range(world)) / world  # exact, in the tail
-    return torch.equal(got, want) and torch.equal(model.s.grad._local_tensor, scalar.reshape(()))
+    # The scalar's gradient travels exactly, in the tail: summed in the reduce dtype.
+    scalar = sum(c.to(dtype).sum().to(torch.float64) for c in (_grads_of(s)[1] for s in range(world))) / world
+    return torch.equal(got, want) and torch.equal(model.s.grad._local_tensor, scalar.to(dtype).reshape(()))
 
 
 def _bytes(rank: int, world: int, qg: Any, qr: Any, param_dtype: Any = None) -> dict[str, int]:
@@ -291,6 +303,7 @@ def _two_ranks() -> dict[str, list[Any]]:
     for kind in ("int8", "fp8"):
         scenarios[f"gather_{kind}"] = (_gathered_equal_dequantized, (kind,))
         scenarios[f"reduce_{kind}"] = (_reduced_equal_reference, (kind,))
+        scenarios[f"reduce_{kind}_poisoned"] = (_reduced_equal_reference, (kind, True))
     scenarios["bytes_fp32"] = (_bytes, (None, None))
     scenarios["bytes_bf16"] = (_bytes, (None, None, torch.bfloat16))
     scenarios["bytes_int8"] = (_bytes, ("int8", "int8"))
@@ -304,7 +317,7 @@ def test_gathered_parameters_are_every_ranks_dequantized_shards(kind: str) -> No
     assert _two_ranks()[f"gather_{kind}"] == [True, True]
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int8_poisoned", "fp8_poisoned"])
 def test_reduced_gradients_are_the_rank_ordered_sum_of_dequantized_rows(kind: str) -> None:
     assert _two_ranks()[f"reduce_{kind}"] == [True, True]
 

@@ -98,6 +98,7 @@ def dequantize_sum(
     k = tl.arange(0, BLOCK)
     mask = k < valid
     acc = _load_values(packed, scale_off, payload_off, b, mask, IS_INT8, BLOCK)
+    row_bytes = nbytes.to(tl.int64)  # receive buffers may pass 2 GiB
     for r in range(1, world):  # in rank order, each product rounded before it is added
-        acc = acc + _load_values(packed + r * nbytes, scale_off, payload_off, b, mask, IS_INT8, BLOCK)
+        acc = acc + _load_values(packed + r * row_bytes, scale_off, payload_off, b, mask, IS_INT8, BLOCK)
     tl.store(out + start + k, acc.to(out.dtype.element_ty), mask=mask)

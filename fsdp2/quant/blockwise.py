@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .spec import SCALE_DTYPE, BlockQuantization, RowLayout
-
-# A block of zeros gets this scale instead of 0: its values divide to 0 all the same, and
-# no division by zero happens. A NaN amax stays NaN (``clamp_min`` propagates it), so a
-# NaN anywhere in a block reads back as NaN for the whole block.
-_TINY = torch.finfo(torch.float32).tiny
+from .spec import SCALE_DTYPE, TINY, BlockQuantization, RowLayout
 
 
 def _pieces(rows: RowLayout, block_size: int, segments: list[torch.Tensor], padding: torch.Tensor) -> list[torch.Tensor]:
@@ -45,8 +40,7 @@ def pack(x: torch.Tensor, spec: BlockQuantization, rows: RowLayout) -> torch.Ten
         out[:, rows.numel :].zero_()
         out[:, : rows.numel].copy_(x)
     else:
-        if rows.numel != rows.blocks * b:
-            out.zero_()
+        out.zero_()
         targets = [v for v, n in zip(_value_views(rows, b, out), rows.sizes) if n]
         # One copy splits it; it takes one dtype (a bf16 / float64 row is cast first).
         torch.split_with_sizes_copy(x.to(SCALE_DTYPE), [n for n in rows.sizes if n], dim=1, out=targets)
@@ -68,6 +62,9 @@ def unpack(padded: torch.Tensor, spec: BlockQuantization, rows: RowLayout, segme
     dropped: one copy."""
     if segments and segments[0].dtype != padded.dtype:  # one copy splits it, in one dtype
         padded = padded.to(segments[0].dtype)
+    if rows.numel == padded.shape[1] and len(segments) == 1:
+        segments[0].copy_(padded)
+        return
     if rows.numel == padded.shape[1] and len(segments) == 1:
         segments[0].copy_(padded)
         return
@@ -99,7 +96,7 @@ def quantize_rows(x: torch.Tensor, spec: BlockQuantization, rows: RowLayout, out
     # ``amax * (1 / qmax)``, not ``amax / qmax``: a division by a scalar is a product by its
     # reciprocal on CUDA, so this is the same bits on every device.
     torch.mul(torch.linalg.vector_norm(blocks, ord=float("inf"), dim=2, keepdim=True), 1.0 / spec.qmax, out=scale)
-    scale.clamp_min_(_TINY)
+    scale.clamp_min_(TINY)  # ``clamp_min`` keeps a NaN
     q = blocks.div_(scale)  # ``pack`` made a copy
     if spec.dtype == torch.int8:
         q = q.round_()

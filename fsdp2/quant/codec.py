@@ -17,7 +17,7 @@ class BlockCodec:
         self._table: fused.BlockTable | None = None  # built on first fused use, kept
 
     def _fused_table(self, t: torch.Tensor) -> fused.BlockTable | None:
-        if not fused.usable(t):
+        if not fused.usable(t, self.spec):
             return None
         if self._table is None or self._table.block_seg.device != t.device:
             self._table = fused.BlockTable.of(self.spec, self.rows, t.device)

@@ -27,9 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .spec import BlockQuantization, RowLayout
-
-_TINY = torch.finfo(torch.float32).tiny
+from .spec import TINY, BlockQuantization, RowLayout
 
 
 @functools.cache
@@ -44,9 +42,14 @@ def _triton() -> Any:
     return _fused_kernels
 
 
-def usable(t: torch.Tensor) -> bool:
-    """The fused kernels serve ``t``'s device (a CUDA device with Triton installed)."""
-    return t.device.type == "cuda" and os.environ.get("FSDP2_QUANT_FUSED", "1") != "0" and _triton() is not None
+def usable(t: torch.Tensor, spec: BlockQuantization) -> bool:
+    """The fused kernels serve ``t``'s device: an NVIDIA GPU with Triton installed, and for
+    float8 one that has it (compute capability 8.9, Ada and Hopper on)."""
+    if t.device.type != "cuda" or torch.version.hip is not None or os.environ.get("FSDP2_QUANT_FUSED", "1") == "0":
+        return False
+    if spec.dtype != torch.int8 and torch.cuda.get_device_capability(t.device) < (8, 9):
+        return False
+    return _triton() is not None
 
 
 class BlockTable(NamedTuple):
@@ -86,7 +89,7 @@ def quantize_rows(
     grid = (rows.blocks, x.shape[0])
     k.quantize[grid](
         x, x.stride(0), out, rows.nbytes, rows.scale_offset, rows.payload_offset, *table,
-        1.0 / spec.qmax, _TINY, IS_INT8=spec.dtype == torch.int8, BLOCK=spec.block_size, enable_fp_fusion=False,
+        1.0 / spec.qmax, TINY, IS_INT8=spec.dtype == torch.int8, BLOCK=spec.block_size, enable_fp_fusion=False,
     )
 
 

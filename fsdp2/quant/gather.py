@@ -4,8 +4,9 @@ Phase 1 (``start``): this rank quantizes its sharded flat (the full-precision sh
 before any cast to ``param_dtype``) into one byte row, scales and payload, and all-gathers
 the rows: one collective, ``1 + 4 / block_size`` bytes per value instead of the compute
 dtype's size. Phase 2 (``finish``): every rank dequantizes the ``W`` rows into a pooled
-``W x S`` buffer of the compute dtype and copies the blocks out parameter-major, as the
-plain gather does. The sharded parameters are never touched: gradients reach them as
+the parameters' regions of the unsharded storage (parameters sharded on another dim go
+through a pooled ``W x S`` buffer of the compute dtype and are copied out by their layout,
+as the plain gather does). The sharded parameters are never touched: gradients reach them as
 always, and the quantization error does not accumulate over steps.
 
 Gathers it does not quantize go the plain way: one rank (nothing travels), a custom
@@ -22,21 +23,10 @@ import torch
 from .._collectives import all_gather_flat, traced, wait_pending
 from .._gather import BucketGather
 from .codec import BlockCodec
-from .spec import BlockQuantization, RowLayout
+from .spec import BlockQuantization, RowLayout, quantizes
 
 if TYPE_CHECKING:
     from .._bucket_view import BucketView
-
-
-def quantizes(bucket: BucketView) -> bool:
-    """Whether a collective of ``bucket`` may be quantized at all: more than one shard
-    rank, floating values, no all-gather extension (those gather through their hooks)."""
-    return (
-        bucket.comm.shard_size > 1
-        and bucket.dtype.is_floating_point
-        and bucket.compute_dtype.is_floating_point
-        and not bucket.extension
-    )
 
 
 class QuantizedGather(BucketGather):
@@ -75,23 +65,35 @@ class QuantizedGather(BucketGather):
         assert self._pending is not None and self.buf is not None, "fsdp2 internal error: no all-gather issued"
         b.alloc_unsharded()
         pool, world = b.comm.pool, b.comm.shard_size
-        packed = wait_pending(self._pending).view(world, rows.nbytes)
-        self._pending = None
-        self._release_send()
-        codec = self._codec_for_bucket()
-        with traced("fsdp2::dequantize"):
-            if b.blocks_are_the_values:  # straight into the parameters' regions
-                codec.dequantize_regions(packed, b.regions, b.unsharded_write)
-            else:
-                values = pool.acquire(world * b.shard_numel, b.compute_dtype, b.device)
-                codec.dequantize_blocks(packed, values.view(world, b.shard_numel))
-                self.copy_out(values.view(world, b.shard_numel))
-                pool.release(values)
-        pool.release(self.buf)
-        self.buf = None
+        try:
+            packed = wait_pending(self._pending).view(world, rows.nbytes)
+            self._pending = None
+            self._release_send()
+            codec = self._codec_for_bucket()
+            with traced("fsdp2::dequantize"):
+                if b.blocks_are_the_values:  # straight into the parameters' regions
+                    codec.dequantize_regions(packed, b.regions, b.unsharded_write)
+                else:
+                    self._dequantize_by_layout(codec, packed)
+        finally:  # the byte rows go back to the pool whatever happened
+            self._pending = None
+            pool.release(self.buf)
+            self.buf = None
         self.partial = None
         if b.scalars or b.offload is not None:
             self._finish_tail()
+
+    def _dequantize_by_layout(self, codec: BlockCodec, packed: torch.Tensor) -> None:
+        """Parameters sharded on other dims: rank-major blocks first, then each parameter's
+        own copy out (``copy_out``)."""
+        b = self.bucket
+        world = b.comm.shard_size
+        values = b.comm.pool.acquire(world * b.shard_numel, b.compute_dtype, b.device)
+        try:
+            codec.dequantize_blocks(packed, values.view(world, b.shard_numel))
+            self.copy_out(values.view(world, b.shard_numel))
+        finally:
+            b.comm.pool.release(values)
 
     def _codec_for_bucket(self) -> BlockCodec:
         """One segment per sharded parameter (built once; the bucket's layout is fixed)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .._buffers import BufferPool
-from .._collectives import Pending, all_to_all_rows, traced
+from .._collectives import Pending, all_to_all_rows, sum_rows, traced
 from .._mesh import MeshInfo
 from .._reduce_layout import ReduceLayout
 from .codec import BlockCodec
@@ -41,8 +41,9 @@ class QuantizedReduce:
         if self._codec is None or self._codec.rows != rows:
             self._codec = BlockCodec(self.spec, rows)
         codec = self._codec
-        send, recv = (comm.pool.acquire(world * rows.nbytes, torch.uint8, input2d.device) for _ in range(2))
-        self._bufs = [send, recv]
+        for _ in range(2):  # each held as soon as acquired: ``release`` returns what was taken
+            self._bufs.append(comm.pool.acquire(world * rows.nbytes, torch.uint8, input2d.device))
+        send, recv = self._bufs
         send2d = send.view(world, rows.nbytes)
         with traced("fsdp2::quantize"):
             codec.quantize(input2d[:, :grad_numel], send2d)
@@ -63,17 +64,9 @@ class QuantizedReduce:
             tail = result.numel() - numel
             if tail:
                 exact = received[:, : tail * dtype.itemsize].view(dtype)
-                _sum_in_order(exact, result[numel:])
+                sum_rows(exact, result[numel:])
 
     def release(self, pool: BufferPool) -> None:
         for buf in self._bufs:
             pool.release(buf)
         self._bufs = []
-
-
-def _sum_in_order(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = rows[0] + rows[1] + ...`` in this order (``out`` may be ``rows[0]``)."""
-    if out.data_ptr() != rows[0].data_ptr():
-        out.copy_(rows[0])
-    for row in rows[1:]:
-        out.add_(row)

@@ -23,6 +23,10 @@ _DTYPES = MappingProxyType({"int8": torch.int8, "fp8": torch.float8_e4m3fn, "flo
 QMAX = MappingProxyType({torch.int8: 127.0, torch.float8_e4m3fn: 448.0})
 SCALE_DTYPE = torch.float32
 _ALIGN = 8  # every part of a row starts at a multiple of 8 bytes (a float64 tail reads aligned)
+# A block of zeros gets this scale instead of 0: its values divide to 0 all the same, and
+# no division by zero happens. A NaN amax stays NaN, so a NaN anywhere in a block reads
+# back as NaN for the whole block.
+TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class BlockQuantization:
 
     Attributes:
         dtype: ``torch.int8`` (or ``"int8"``) or ``torch.float8_e4m3fn`` (or ``"fp8"``).
-        block_size: values per float32 scale; a positive multiple of 16. Bytes sent per
+        block_size: values per float32 scale; a power of two from 16 to 65536. Bytes sent per
             value: ``1 + 4 / block_size`` (128: 1.03, a 0.258x of float32's).
     """
 
@@ -49,10 +53,10 @@ class BlockQuantization:
         object.__setattr__(self, "dtype", dtype)
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
             raise TypeError(f"BlockQuantization.block_size must be an int, got {type(self.block_size).__name__}")
-        if self.block_size <= 0 or self.block_size % 16:
+        if not 16 <= self.block_size <= 1 << 16 or self.block_size & (self.block_size - 1):
             raise ValueError(
-                f"BlockQuantization.block_size must be a positive multiple of 16 (one float32 scale per "
-                f"block; 128 is a good default), got {self.block_size}"
+                f"BlockQuantization.block_size must be a power of two from 16 to 65536 (one float32 scale "
+                f"per block; 128 is a good default), got {self.block_size}"
             )
 
     @property
@@ -123,3 +127,15 @@ class QuantizedComm(NamedTuple):
 
 
 NO_QUANTIZATION = QuantizedComm()
+
+
+def quantizes(bucket: Any) -> bool:
+    """Whether a collective of ``bucket`` (a ``BucketView``) may be quantized at all: more
+    than one shard rank, floating values, no all-gather extension (those gather through
+    their own hooks)."""
+    return (
+        bucket.comm.shard_size > 1
+        and bucket.dtype.is_floating_point
+        and bucket.compute_dtype.is_floating_point
+        and not bucket.extension
+    )
