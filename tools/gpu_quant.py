@@ -64,7 +64,7 @@ def parity(device: torch.device) -> tuple[list[str], bool]:
 
     rows_out = ["| fused vs reference | quantize | dequantize | into regions | sum |", "| --- | --- | --- | --- | --- |"]
     probe = torch.empty(0, device=device)
-    if not fused.usable(probe):
+    if not fused.usable(probe, BlockQuantization("int8")):
         return rows_out + ["| (no fused kernels on this device: nothing to compare) | - | - | - | - |"], True
     ok_all = True
     for kind in ("int8", "fp8"):
@@ -113,7 +113,7 @@ def parity(device: torch.device) -> tuple[list[str], bool]:
 def _paths(device: torch.device) -> list[str]:
     from fsdp2.quant import fused
 
-    return ["reference", "fused"] if fused.usable(torch.empty(0, device=device)) else ["reference"]
+    return ["reference", "fused"] if fused.usable(torch.empty(0, device=device), BlockQuantization("int8")) else ["reference"]
 
 
 def _use(path: str) -> None:
