@@ -29,7 +29,8 @@ class QuantizedReduce:
     def __init__(self, spec: BlockQuantization) -> None:
         self.spec = spec
         self._bufs: list[torch.Tensor] = []  # pooled send and receive rows, until staged
-        self._codec: BlockCodec | None = None  # for the last layout
+        self._codec: BlockCodec | None = None  # for the last layout (``_layout``)
+        self._layout: tuple[ReduceLayout, int] | None = None
 
     def start(self, input2d: torch.Tensor, layout: ReduceLayout, comm: MeshInfo, label: str) -> Pending:
         """Issue the all-to-all of ``input2d``'s rows, the gradients quantized (one segment
@@ -37,10 +38,8 @@ class QuantizedReduce:
         world, numel = input2d.shape
         grad_numel = layout.grad_numel
         tail = numel - grad_numel
-        rows = RowLayout.of(self.spec, tuple(p.shard_numel for p in layout.params), tail * input2d.element_size())
-        if self._codec is None or self._codec.rows != rows:
-            self._codec = BlockCodec(self.spec, rows)
-        codec = self._codec
+        codec = self._codec_for(layout, tail * input2d.element_size())
+        rows = codec.rows
         for _ in range(2):  # each held as soon as acquired: ``release`` returns what was taken
             self._bufs.append(comm.pool.acquire(world * rows.nbytes, torch.uint8, input2d.device))
         send, recv = self._bufs
@@ -65,6 +64,15 @@ class QuantizedReduce:
             if tail:
                 exact = received[:, : tail * dtype.itemsize].view(dtype)
                 sum_rows(exact, result[numel:])
+
+    def _codec_for(self, layout: ReduceLayout, tail_bytes: int) -> BlockCodec:
+        """One segment per reduced parameter; rebuilt only when the layout changed."""
+        last = self._layout
+        if self._codec is None or last is None or last[0] is not layout or last[1] != tail_bytes:
+            sizes = tuple(p.shard_numel for p in layout.params)
+            self._codec = BlockCodec(self.spec, RowLayout.of(self.spec, sizes, tail_bytes))
+            self._layout = (layout, tail_bytes)
+        return self._codec
 
     def release(self, pool: BufferPool) -> None:
         for buf in self._bufs:

@@ -96,6 +96,7 @@ class RowLayout(NamedTuple):
     parallel ranks quantizes alike on each of them, whatever its neighbours hold)."""
 
     sizes: tuple[int, ...]  # the segments, in order
+    splits: tuple[int, ...]  # each segment's size and then its padding to whole blocks
     numel: int  # their sum: the values of a row
     blocks: int
     tail_bytes: int  # the full-precision tail, padded
@@ -106,17 +107,12 @@ class RowLayout(NamedTuple):
     @classmethod
     def of(cls, spec: BlockQuantization, sizes: tuple[int, ...], tail_bytes: int = 0) -> RowLayout:
         blocks = sum(-(-n // spec.block_size) for n in sizes)
+        splits = tuple(part for n in sizes for part in (n, -n % spec.block_size))
         tail = _aligned(tail_bytes)
         payload = tail + _aligned(blocks * SCALE_DTYPE.itemsize)
-        return cls(sizes, sum(sizes), blocks, tail, tail, payload, payload + _aligned(blocks * spec.block_size))
-
-    def padded_sizes(self, block_size: int) -> list[int]:
-        """Each segment's values and then its padding to whole blocks, zero-sized parts
-        left out (the split ``blockwise.pack`` / ``unpack`` cut a row into)."""
-        out = []
-        for n in self.sizes:
-            out += [n, -n % block_size]
-        return [n for n in out if n]
+        return cls(
+            tuple(sizes), splits, sum(sizes), blocks, tail, tail, payload, payload + _aligned(blocks * spec.block_size)
+        )
 
 
 class QuantizedComm(NamedTuple):
