@@ -48,6 +48,13 @@ class MixedPrecisionPolicy:
     quantize_gather: BlockQuantization | str | None = None
     quantize_reduce: BlockQuantization | str | None = None
 
+    def __repr__(self) -> str:
+        """torch's, plus the quantization fields that are set (so an unquantized policy
+        prints exactly as torch's does)."""
+        names = ["param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"]
+        names += [n for n in ("quantize_gather", "quantize_reduce") if getattr(self, n) is not None]
+        return f"MixedPrecisionPolicy({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
     def __post_init__(self) -> None:
         for name in ("quantize_gather", "quantize_reduce"):
             object.__setattr__(self, name, as_quantization(getattr(self, name), name))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
 
 import torch
@@ -106,7 +107,9 @@ def test_list_groups_and_ignored_params() -> None:
 def test_public_surface_matches_torch() -> None:
     import torch.distributed.fsdp as torch_fsdp
 
-    extras = {"StateDictError", "clip_grad_norm_", "ShardPlacementResult"}  # ours only: a bad load_state_dict's error, clipping across meshes, per-parameter meshes without a private import
+    # ours only: a bad load_state_dict's error, clipping across meshes, per-parameter meshes
+    # without a private import, quantized collectives' settings
+    extras = {"StateDictError", "clip_grad_norm_", "ShardPlacementResult", "BlockQuantization"}
     for name in set(fsdp2.__all__) - extras:
         assert hasattr(torch_fsdp, name), name
     for name in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
@@ -165,7 +168,12 @@ def test_public_api_matches_the_installed_torch() -> None:
     for name, method in torchs.items():
         assert _parameters(ours[name]) == _parameters(method), name
     for cls in ("MixedPrecisionPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"):
-        assert _parameters(getattr(fsdp2, cls)) == _parameters(getattr(theirs, cls)), cls
+        ours_params = _parameters(getattr(fsdp2, cls))
+        if cls == "MixedPrecisionPolicy":  # torch's fields first, as torch has them; then fsdp2's keyword-only ones
+            extra = [p for p in ours_params if p[0] in ("quantize_gather", "quantize_reduce")]
+            assert [(p[1], p[2]) for p in extra] == [(inspect.Parameter.KEYWORD_ONLY, "None")] * 2, extra
+            ours_params = [p for p in ours_params if p not in extra]
+        assert ours_params == _parameters(getattr(theirs, cls)), cls
     # New torch names: any public name of torch's _fully_shard package fsdp2 lacks.
     from torch.distributed.fsdp import _fully_shard
 
