@@ -329,18 +329,24 @@ def _host_worker(kind: str, world: int, steps: int, queue: Any) -> None:
                 lib.fully_shard(block)
             lib.fully_shard(model)
         built[lib_name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss)
-    times: dict[str, list[float]] = {lib: [] for lib in built}
+    queue.put(median_step_ms(built, steps))
+    dist.destroy_process_group()
+
+
+def median_step_ms(built: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]], steps: int) -> dict[str, float]:
+    """Each entry's median step (loss, backward, optimizer step) in ms: ``steps`` after 2
+    warm-up ones, the entries stepped alternately forwards and backwards."""
+    times: dict[str, list[float]] = {name: [] for name in built}
     for i in range(steps + 2):
-        for lib in (list(built) if i % 2 == 0 else list(built)[::-1]):
-            model, opt, loss = built[lib]
+        for name in (list(built) if i % 2 == 0 else list(built)[::-1]):
+            model, opt, loss = built[name]
             start = time.perf_counter()
             loss(model).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if i >= 2:
-                times[lib].append(time.perf_counter() - start)
-    queue.put({lib: statistics.median(t) * 1e3 for lib, t in times.items()})
-    dist.destroy_process_group()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def bench_host(steps: int) -> None:

@@ -128,17 +128,7 @@ def _host_worker(world: int, steps: int, queue: Any) -> None:
             fsdp2.fully_shard(block, mp_policy=mp)
         fsdp2.fully_shard(model, mp_policy=mp)
         built[v] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss)
-    times: dict[str, list[float]] = {v: [] for v in built}
-    for i in range(steps + 2):
-        for v in list(built) if i % 2 == 0 else list(built)[::-1]:
-            model, opt, loss_fn = built[v]
-            start = time.perf_counter()
-            loss_fn(model).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if i >= 2:
-                times[v].append(time.perf_counter() - start)
-    queue.put({v: statistics.median(t) * 1e3 for v, t in times.items()})
+    queue.put(bench.median_step_ms(built, steps))
     dist.destroy_process_group()
 
 
