@@ -69,6 +69,9 @@ def tested_flag_sets() -> list[tuple[list[str], bool]]:
     return runs
 
 
+tested_flag_sets.__test__ = False  # a helper whose name starts with "test": not a test for pytest
+
+
 def _torchrun(*args: str, env: dict[str, str] | None = None, restarts: int = 0, nproc: int = 2) -> str:
     """examples/train.py on ``nproc`` ranks: its ranks' output. Under torchrun when it must
     restart a rank or set the environment; otherwise ``main(argv)`` in ranks forked from
