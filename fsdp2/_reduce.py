@@ -157,7 +157,7 @@ class BucketReduce:
         world = b.comm.shard_size
         if self._input is None:
             self._input = b.comm.pool.acquire(b.comm_numel(), b.reduce_dtype, b.device)
-            if self.quant is not None:
+            if self._quantized():
                 # Deposits leave the padding past an uneven shard's values as the pool
                 # left it; a plain reduce adds it elementwise and ``stage`` zeroes it, but
                 # a quantized block spans it: garbage there (a NaN) would spoil the block.
