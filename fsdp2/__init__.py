@@ -12,6 +12,7 @@ from .api import (
 )
 from .fully_shard import fully_shard
 from .optim import clip_grad_norm_
+from .planning import plan
 from .quant import BlockQuantization
 
 __all__ = [

@@ -48,7 +48,9 @@ class GradCommit:
                 flat = grads
         given: list[FSDPParam] = []
         for layout, grads, used_flags, scalar_vals in ready:
-            used = used_flags.tolist()  # flags follow layout.params, then layout.scalars
+            # Flags follow layout.params, then layout.scalars; a dry run on the meta device
+            # (the planner's) has no values: every parameter counts as used.
+            used = used_flags.tolist() if used_flags.device.type != "meta" else [1] * used_flags.numel()
             for flag, p, off in zip(used, layout.params, layout.offsets):
                 if flag > 0:
                     _accumulate_grad(p, grads[off : off + p.layout.local_numel].view(p.local_shape))

@@ -166,7 +166,7 @@ def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> 
                 f"{mesh_type}; move the model with model.to({mesh_type!r}) or build the mesh "
                 f"for {device.type}"
             )
-        if device.type == "meta":
+        if device.type == "meta" and mesh_type != "meta":
             fqns = ", ".join(p.fqn for p in b.params[:3])
             raise RuntimeError(
                 f"fsdp2: parameters ({fqns}, ...) are still on the meta device at forward; "

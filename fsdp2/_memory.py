@@ -48,12 +48,12 @@ CATEGORIES = (
 SPLIT_EVERY = 1.002  # a new split when the live bytes pass the last split's by 0.2%
 
 
-def _key(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
+def _key(t: torch.Tensor, meta: bool = False) -> tuple[int, torch.UntypedStorage] | None:
     """(an id of ``t``'s storage while it lives, the storage); a DTensor's is its local
-    tensor's; None for meta tensors and subclasses without storage."""
+    tensor's; None for subclasses without storage, and for meta tensors unless ``meta``."""
     if isinstance(t, DTensor):
         t = t._local_tensor
-    if t.device.type == "meta":
+    if t.device.type == "meta" and not meta:
         return None
     try:
         storage = t.untyped_storage()
@@ -66,9 +66,10 @@ class MemoryTracker(TorchDispatchMode):
     """Counts live tensor bytes; ``phase()`` and ``where()`` (callables) say where the
     step is, for the peak's report."""
 
-    def __init__(self, phase: Callable[[], str], where: Callable[[], str]) -> None:
+    def __init__(self, phase: Callable[[], str], where: Callable[[], str], meta: bool = False) -> None:
         super().__init__()
         self.phase, self.where = phase, where
+        self.meta = meta  # count meta tensors too (the planner's dry run has no others)
         self.live: dict[int, tuple[int, str]] = {}  # storage key -> (bytes, phase made in)
         self._refs: dict[int, weakref.ref] = {}
         self.now = 0
@@ -89,7 +90,7 @@ class MemoryTracker(TorchDispatchMode):
         phase = None
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                found = _key(t)
+                found = _key(t, self.meta)
                 if found is not None:
                     key, storage = found
                     if key not in self.live or self.live[key][0] != storage.nbytes():
@@ -167,7 +168,7 @@ class MemoryTracker(TorchDispatchMode):
 
         def claim(t: Any, category: str) -> None:
             if isinstance(t, torch.Tensor):
-                found = _key(t)
+                found = _key(t, self.meta)
                 if found is not None:
                     owner.setdefault(found[0], category)
 

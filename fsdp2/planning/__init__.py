@@ -1,0 +1,132 @@
+"""``fsdp2.plan``: the ``fully_shard`` calls for a whole model, fitted to a memory budget.
+
+    plan = fsdp2.plan(model, mesh=mesh, mp_policy=mp_policy)
+    print(plan)            # the table: group, modules, parameters, gathered MiB, reshard, AC, offload, why
+    print(plan.code())     # the same calls as Python
+    plan.apply(model)      # exactly those calls
+
+See ``docs/planning.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fit import BudgetError, fit
+from .groups import Group, block_classes, find_blocks, find_experts, find_groups, scale_to_dtype
+from .plan import Estimate, Plan, fingerprint, selective_context
+from .render import experts_on
+
+__all__ = ["BudgetError", "Estimate", "Group", "Plan", "experts_on", "plan", "selective_context"]
+
+
+def plan(
+    model: nn.Module,
+    *,
+    mesh: Any = None,
+    world_size: int | None = None,
+    mp_policy: Any = None,
+    expert_mesh: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    blocks: Iterable[type | str] | None = None,
+    memory_budget: int | str | None = None,
+    inputs: Any = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: Callable[..., Any] | None = None,
+) -> Plan:
+    """The groups of ``model`` and how each is sharded (see ``docs/planning.md``).
+
+    Args:
+        model: the unsharded model (on any device, meta included).
+        mesh: the mesh every call gets (1-D or ``(replicate, shard)``); ``None`` as for
+            ``fully_shard``. Its shape is the job's shape for the estimate.
+        world_size: the job's size when planning before launch, without a mesh (the
+            estimate's mesh is then ``(world_size,)``; the plan's calls get ``mesh=None``).
+        mp_policy: the ``MixedPrecisionPolicy`` of every call (default: none).
+        expert_mesh: the mesh of routed experts (Mixture-of-Experts): each block's
+            experts module is sharded on it through ``shard_placement_fn``.
+        ignored_params: passed to every call; not counted in any group.
+        blocks: the block classes (or their names), instead of ``_no_split_modules`` or
+            the repeated class.
+        memory_budget: bytes per rank (an int, or a string such as ``"40GiB"``,
+            ``"512MiB"``); the plan is then fitted to it (``BudgetError`` if nothing
+            fits). Needs ``inputs``.
+        inputs: one local batch (real or meta tensors; a tensor, a tuple of positional
+            inputs or a dict of keyword inputs): with it the plan carries the tracked
+            peak of one step (``plan.estimate``).
+        loss_fn: the loss from the model's output (default: ``output.loss``, else the
+            output's mean).
+        optimizer: the job's optimizer class or factory (default ``torch.optim.AdamW``),
+            for its state.
+    """
+    from ..api import MixedPrecisionPolicy
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fsdp2.plan expects an nn.Module, got {type(model).__name__}")
+    if mesh is not None and world_size is not None and mesh.size() != world_size:
+        raise ValueError(f"fsdp2.plan: world_size={world_size} but the mesh has {mesh.size()} ranks; give one of them")
+    budget = parse_budget(memory_budget)
+    if budget is not None and inputs is None:
+        raise ValueError("fsdp2.plan: memory_budget= needs inputs= (one local batch) to measure the step it fits")
+    mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
+    ignored = set(ignored_params or ())
+    classes, where = block_classes(model, blocks)
+    block_names = find_blocks(model, classes)
+    if blocks is not None and not block_names:
+        raise ValueError(f"fsdp2.plan: no module of the classes {sorted(classes)} (blocks=) in this model")
+    groups = find_groups(model, block_names, ignored)
+    scale_to_dtype(groups, model, mp_policy.param_dtype)
+    for g in groups:
+        if g.kind == "block":
+            g.why = f"repeated block {type(model.get_submodule(g.modules[0])).__name__}"
+            if expert_mesh is not None:
+                g.experts = find_experts(model, g.modules[0])
+                if g.experts is not None:
+                    g.why += f"; experts ({g.experts[len(g.modules[0]) + 1:]}) on the expert mesh"
+    described = f"{', '.join(sorted(classes)) or 'none'} ({where}), {len(block_names)} found"
+    result = Plan(groups, mesh=mesh, mp_policy=mp_policy, expert_mesh=expert_mesh, ignored_params=ignored,
+                  fingerprint=fingerprint(model), blocks_from=described)
+    if inputs is None:
+        return result
+    from .dryrun import DryRun
+
+    shape, names = _job_shape(mesh, world_size)
+    with DryRun(model, shape, names, inputs, loss_fn, optimizer) as run:
+        if budget is None:
+            result.estimate = run.measure(result)
+            return result
+        return fit(result, run, budget)
+
+
+def _job_shape(mesh: Any, world_size: int | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    if mesh is not None:
+        return tuple(mesh.mesh.shape), mesh.mesh_dim_names
+    if world_size is None:
+        import torch.distributed as dist
+
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    return (world_size,), None
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12}
+
+
+def parse_budget(budget: int | float | str | None) -> int | None:
+    """Bytes from an int or a string with a unit (``"40GiB"``, ``"512 MiB"``, ``"80GB"``)."""
+    if budget is None:
+        return None
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"fsdp2.plan: memory_budget must be bytes or a size such as '40GiB' or '512MiB', "
+                             f"got {budget!r}")
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise ValueError(f"fsdp2.plan: memory_budget must be a positive number of bytes, got {budget!r}")
+    return int(budget)

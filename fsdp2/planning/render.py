@@ -1,0 +1,150 @@
+"""A plan as a table (``str(plan)``) and as Python (``plan.code()``)."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from .groups import ROOT
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+_MIB = 2**20
+
+
+def experts_on(experts: nn.Module, mesh: Any) -> Any:
+    """A ``shard_placement_fn`` putting ``experts``' parameters on ``mesh`` (dim 0) and
+    every other parameter of the call on the call's mesh."""
+    from torch.distributed.tensor import Shard
+
+    from ..api import ShardPlacementResult
+
+    on = set(experts.parameters())
+    placement = ShardPlacementResult(Shard(0), mesh)
+    return lambda p: placement if p in on else None
+
+
+def render_table(plan: Plan) -> str:
+    head = ("group", "modules", "params", "gathered MiB", "reshard", "AC", "offload", "why")
+    rows = [head]
+    for g in plan.groups:
+        reshard = "default" if g.reshard_after_forward is None else str(g.reshard_after_forward)
+        rows.append((g.name, str(len(g.modules)), f"{g.params:,}", f"{g.gathered_bytes / _MIB:,.1f}", reshard,
+                     g.ac, "yes" if g.offload else "no", g.why))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) if i in (0, 4, 5, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             + "  " + r[-1] for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.append(f"blocks: {plan.blocks_from}")
+    if plan.estimate is not None:
+        lines += _estimate_lines(plan)
+    return "\n".join(lines)
+
+
+def _estimate_lines(plan: Plan) -> list[str]:
+    from .._memory import CATEGORIES
+
+    e = plan.estimate
+    assert e is not None, "no estimate to print"
+    out = [f"estimated peak per rank: {e.peak / _MIB:,.1f} MiB ({e.phase})"
+           + (f", budget {e.budget / _MIB:,.1f} MiB: " + ("fits" if e.fits else
+              f"over by {(e.peak - e.budget) / _MIB:,.1f} MiB") if e.budget is not None else "")]
+    for c in CATEGORIES:
+        share = e.split.get(c, 0) / e.peak if e.peak else 0.0
+        out.append(f"  {c:22s} {e.split.get(c, 0) / _MIB:12,.1f} MiB  {share:6.1%}")
+    if e.note:
+        out.append(e.note)
+    return out
+
+
+# ---------------------------------------------------------------------------- code
+def render_calls(calls: list[tuple[str, tuple[str, ...], dict[str, Any]]], model: str) -> str:
+    units: list[tuple[dict[str, Any] | None, tuple[str, ...], dict[str, Any]]] = []
+    pending: dict[str, Any] | None = None
+    for fn, modules, kwargs in calls:
+        if fn == "checkpoint":
+            pending = kwargs
+        else:
+            units.append((pending, modules, kwargs))
+            pending = None
+    lines = ["import fsdp2"]
+    if any(u[0] is not None for u in units):
+        lines.append("from torch.distributed._composable import checkpoint")
+    if any(u[0] and "context_fn" in u[0] for u in units):
+        lines.append("from fsdp2.planning import selective_context")
+    if any("shard_placement_fn" in u[2] for u in units):
+        lines.append("from fsdp2.planning import experts_on")
+    lines.append("")
+    i = 0
+    while i < len(units):
+        run = _run(units, i)
+        lines += _loop(units[i:i + run], model) if run > 2 else _unit(units[i], model, "")
+        i += max(run if run > 2 else 1, 1)
+    return "\n".join(lines) + "\n"
+
+
+_INDEXED = re.compile(r"^(.*\.)?(\d+)$")
+
+
+def _run(units: list, start: int) -> int:
+    """How many units from ``start`` are one module each, named ``prefix.<i>`` with
+    consecutive ``i``, with the same arguments (but the experts' fqn)."""
+    def key(u: Any) -> Any:
+        ac, modules, kwargs = u
+        m = _INDEXED.match(modules[0]) if len(modules) == 1 else None
+        if m is None:
+            return None
+        expert = kwargs.get("shard_placement_fn")
+        tail = expert[1][len(modules[0]):] if expert else None
+        return (m.group(1), ac and tuple(ac), tuple((k, id(v)) for k, v in kwargs.items() if k != "shard_placement_fn"),
+                tail), int(m.group(2))
+
+    first = key(units[start])
+    if first is None:
+        return 1
+    n = 1
+    while start + n < len(units):
+        k = key(units[start + n])
+        if k is None or k[0] != first[0] or k[1] != first[1] + n:
+            break
+        n += 1
+    return n
+
+
+def _loop(units: list, model: str) -> list[str]:
+    first = units[0][1][0]
+    prefix, index = _INDEXED.match(first).group(1) or "", int(_INDEXED.match(first).group(2))
+    head = f"for i in range({index}, {index + len(units)}):"
+    body = _unit(units[0], model, "    ", target=f'{model}.get_submodule(f"{prefix}{{i}}")', name="block")
+    return [head, *body]
+
+
+def _unit(unit: Any, model: str, indent: str, target: str | None = None, name: str | None = None) -> list[str]:
+    ac, modules, kwargs = unit
+    if target is None:
+        parts = [model if m == ROOT else f'{model}.get_submodule("{m}")' for m in modules]
+        target = parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
+    lines = []
+    ref = target
+    if ac is not None or (name and "shard_placement_fn" in kwargs):
+        lines.append(f"{indent}{name or 'block'} = {target}")
+        ref = name or "block"
+    if ac is not None:
+        lines.append(f"{indent}checkpoint({ref}{', context_fn=selective_context' if 'context_fn' in ac else ''})")
+    args = []
+    for k, v in kwargs.items():
+        if k in ("mesh", "mp_policy", "ignored_params"):
+            args.append(f"{k}={k}")
+        elif k == "offload_policy":
+            args.append("offload_policy=fsdp2.CPUOffloadPolicy()")
+        elif k == "shard_placement_fn":
+            sub = v[1][len(modules[0]) + 1:] if name else v[1]
+            base = ref if name else model
+            args.append(f'shard_placement_fn=experts_on({base}.get_submodule("{sub}"), expert_mesh)')
+        else:
+            args.append(f"{k}={v!r}")
+    lines.append(f"{indent}fsdp2.fully_shard({ref}, {', '.join(args)})")
+    return lines
