@@ -66,10 +66,12 @@ class MemoryTracker(TorchDispatchMode):
     """Counts live tensor bytes; ``phase()`` and ``where()`` (callables) say where the
     step is, for the peak's report."""
 
-    def __init__(self, phase: Callable[[], str], where: Callable[[], str], meta: bool = False) -> None:
+    def __init__(self, phase: Callable[[], str], where: Callable[[], str], meta: bool = False,
+                 split_every: float = SPLIT_EVERY) -> None:
         super().__init__()
         self.phase, self.where = phase, where
         self.meta = meta  # count meta tensors too (the planner's dry run has no others)
+        self.split_every = split_every
         self.live: dict[int, tuple[int, str]] = {}  # storage key -> (bytes, phase made in)
         self._refs: dict[int, weakref.ref] = {}
         self.now = 0
@@ -129,7 +131,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _new_peak(self) -> None:
         self.peak = self.now
-        if self.now >= self._split_at * SPLIT_EVERY or self.peak_at[0] != self.phase():
+        if self.now >= self._split_at * self.split_every or self.peak_at[0] != self.phase():
             self._split_at = self.now
             self._note_peak()
 

@@ -93,6 +93,7 @@ def plan(
                   fingerprint=fingerprint(model), blocks_from=described)
     if inputs is None:
         return result
+    _check_estimable(model, expert_mesh)
     from .dryrun import DryRun
 
     shape, names = _job_shape(mesh, world_size)
@@ -101,6 +102,19 @@ def plan(
             result.estimate = run.measure(result)
             return result
         return fit(result, run, budget)
+
+
+def _check_estimable(model: nn.Module, expert_mesh: Any) -> None:
+    """The dry run copies plain parameters to the meta device over one meta mesh."""
+    from torch.distributed.tensor import DTensor
+
+    tp = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if tp or expert_mesh is not None:
+        what = f"DTensor parameters ({', '.join(tp[:2])}, ...: tensor or expert parallel)" if tp else "an expert_mesh"
+        raise ValueError(
+            f"fsdp2.plan: the estimate (inputs=, memory_budget=) does not run models with {what} yet; make "
+            "the plan without inputs= and measure the job with python -m fsdp2.estimate"
+        )
 
 
 def _job_shape(mesh: Any, world_size: int | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:

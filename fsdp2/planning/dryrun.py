@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -62,26 +63,35 @@ class DryRun:
         self.shape, self.names = shape, names
         self.inputs = _to_meta(inputs)
         self.loss_fn = loss_fn or default_loss
-        self.optimizer = optimizer or torch.optim.AdamW
+        # The default steps all tensors at once (foreach), as it does on accelerators.
+        self.optimizer = optimizer or functools.partial(torch.optim.AdamW, foreach=True)
         self.runs = 0
         self._phase = "other"
 
     def __enter__(self) -> DryRun:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
         if dist.is_initialized():
             raise RuntimeError(
                 "fsdp2.plan: fitting a plan to a memory budget runs the model on torch's fake process group, "
                 "which cannot start while a process group is initialized; plan before init_process_group, "
-                "with world_size= (the job's size), or in a process of its own (python -m fsdp2.planning)"
+                "with world_size= (the job's size)"
             )
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(self.shape))
-        self.mesh = init_device_mesh("meta", self.shape, mesh_dim_names=self.names)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        dist.destroy_process_group()
+        pass
+
+    @contextlib.contextmanager
+    def _world(self) -> Iterator[Any]:
+        """A fresh fake process group and meta mesh per run: fsdp2's buffer pools belong to
+        the process group, so no run reuses buffers another run made (and counted)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(self.shape))
+        try:
+            yield init_device_mesh("meta", self.shape, mesh_dim_names=self.names)
+        finally:
+            dist.destroy_process_group()
 
     def phase(self) -> str:
         if torch._C._current_graph_task_id() != -1:
@@ -90,13 +100,14 @@ class DryRun:
 
     def measure(self, plan: Plan) -> Estimate:
         self.runs += 1
-        tracker = MemoryTracker(self.phase, lambda: "", meta=True)
+        # The peak is exact; its split is taken within 1% of it (fewer walks of the model).
+        tracker = MemoryTracker(self.phase, lambda: "", meta=True, split_every=1.01)
         # Copied before the tracker starts: the copy reads the template's tensors through
         # views, which would count the template's storages too.
         model = copy.deepcopy(self.template)
-        with tracker, fused_attention():
+        with self._world() as mesh, tracker, fused_attention():
             # Phase 1: the plan on a fresh copy, over the meta mesh.
-            _on_mesh(plan, self.mesh).apply(model)
+            _on_mesh(plan, mesh).apply(model)
             tracker.note_module(model)
             # Phase 2: the optimizer's state, as after the job's first step.
             stand_ins = [torch.empty_like(_local(p)).requires_grad_() for p in model.parameters() if p.requires_grad]

@@ -83,9 +83,16 @@ def measure(run: DryRun, plan: Plan) -> Estimate:
 
 def fit(plan: Plan, run: DryRun, budget: int) -> Plan:
     """Set ``plan``'s groups to the first rung that fits ``budget`` bytes (see above)."""
+    first = ladder(plan.groups, selective=False).rungs[0]
+    with_setting(plan, first)
+    loosest = measure(run, plan)
+    if loosest.peak <= budget:  # nothing to give up
+        plan.estimate = _with_budget(loosest, budget)
+        plan.estimate.note = _joined(plan.estimate.note, "fitted: rung 0 (every group kept gathered), 1 dry run")
+        return plan
     selective, why = selective_runs(plan, run)
     steps = ladder(plan.groups, selective)
-    seen: dict[int, Estimate] = {}
+    seen: dict[int, Estimate] = {0: loosest}
 
     def peak(r: int) -> Estimate:
         if r not in seen:
@@ -93,7 +100,7 @@ def fit(plan: Plan, run: DryRun, budget: int) -> Plan:
             seen[r] = measure(run, plan)
         return seen[r]
 
-    lo, hi = 0, len(steps.rungs) - 1
+    lo, hi = 1, len(steps.rungs) - 1
     if peak(hi).peak > budget:
         with_setting(plan, steps.rungs[hi])
         plan.estimate = _with_budget(seen[hi], budget)
@@ -106,9 +113,13 @@ def fit(plan: Plan, run: DryRun, budget: int) -> Plan:
             lo = mid + 1
     with_setting(plan, steps.rungs[lo])
     plan.estimate = _with_budget(peak(lo), budget)
-    plan.estimate.note = (plan.estimate.note + "\n" if plan.estimate.note else "") + (
-        f"fitted: rung {lo} of {len(steps.rungs) - 1} ({steps.labels[lo]}), {len(seen)} dry runs" + why)
+    plan.estimate.note = _joined(plan.estimate.note, f"fitted: rung {lo} of {len(steps.rungs) - 1} "
+                                 f"({steps.labels[lo]}), {len(seen) + int(selective)} dry runs{why}")
     return plan
+
+
+def _joined(note: str, more: str) -> str:
+    return f"{note}\n{more}" if note else more
 
 
 def selective_runs(plan: Plan, run: DryRun) -> tuple[bool, str]:
