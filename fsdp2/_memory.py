@@ -84,6 +84,7 @@ class MemoryTracker(TorchDispatchMode):
         self.modules: weakref.WeakSet = weakref.WeakSet()
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self._gathered: list[Any] = []  # fsdp2 buckets, for their resized storage
+        self._groups: list[Any] = []  # the fsdp2 groups under the noted modules
 
     # ------------------------------------------------------------------ counting
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -152,7 +153,9 @@ class MemoryTracker(TorchDispatchMode):
         if module in self.modules:
             return
         self.modules.add(module)
-        self._gathered = [b for m in self._fsdp_modules() for b in m._fsdp2_state.group.buckets]
+        # Found once per module noted (fsdp2.estimate notes each module fully_shard gets).
+        self._groups = list({id(g): g for g in (m._fsdp2_state.group for m in self._fsdp_modules())}.values())
+        self._gathered = [b for g in self._groups for b in g.buckets]
 
     def note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizers.add(optimizer)
@@ -174,8 +177,8 @@ class MemoryTracker(TorchDispatchMode):
                 if found is not None:
                     owner.setdefault(found[0], category)
 
-        for m in self._fsdp_modules():
-            _claim_group(m._fsdp2_state.group, claim)
+        for g in self._groups:
+            _claim_group(g, claim)
         for root in self.modules:
             for p in root.parameters():
                 claim(p, "sharded parameters")

@@ -16,14 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _dist import run_ranks
+from _models import ToyModel, batch, full_params, impl, loss_fn
 
 import fsdp2
 from fsdp2.planning import BudgetError
 from fsdp2.planning.dryrun import DryRun
 from fsdp2.planning.fit import ladder, measure
-
-from _dist import run_ranks
-from _models import ToyModel, batch, full_params, impl, loss_fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from model import ModelArgs, Transformer  # noqa: E402
@@ -272,3 +271,30 @@ def test_estimate_refuses_what_the_dry_run_cannot_copy() -> None:
         mesh = init_device_mesh("cpu", (2,))
         with pytest.raises(ValueError, match="does not run models with an expert_mesh"):
             fsdp2.plan(_example(layers=2), expert_mesh=mesh, inputs=torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_bad_edit_changes_nothing() -> None:
+    p = fsdp2.plan(ToyModel(n_blocks=3))
+    before = [(g.reshard_after_forward, g.ac, g.offload) for g in p.groups]
+    with pytest.raises(ValueError, match="reshard_after_forward must be"):
+        p.edit(r"blocks\.\d", ac="full", reshard_after_forward=1)
+    assert [(g.reshard_after_forward, g.ac, g.offload) for g in p.groups] == before
+
+
+class _Routed(nn.Module):
+    """Reads values in forward (data-dependent routing): no meta dry run can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x[torch.nonzero(x[:, 0] > 0).flatten()]
+
+
+def test_a_model_the_dry_run_cannot_step_says_why() -> None:
+    with pytest.raises(fsdp2.planning.DryRunError, match="dry run of one training step on the meta device failed"):
+        fsdp2.plan(_Routed(), world_size=4, inputs=torch.zeros(4, 8))
+    assert not dist.is_initialized()  # the fake process group is gone again

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .dryrun import DryRunError
 from .fit import BudgetError, fit
 from .groups import Group, block_classes, find_blocks, find_experts, find_groups, scale_to_dtype
 from .plan import Estimate, Plan, fingerprint, selective_context
 from .render import experts_on
 
-__all__ = ["BudgetError", "Estimate", "Group", "Plan", "experts_on", "plan", "selective_context"]
+__all__ = ["BudgetError", "DryRunError", "Estimate", "Group", "Plan", "experts_on", "plan", "selective_context"]
 
 
 def plan(
@@ -127,20 +128,18 @@ def _job_shape(mesh: Any, world_size: int | None) -> tuple[tuple[int, ...], tupl
     return (world_size,), None
 
 
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
-          "gb": 10**9, "tb": 10**12}
-
-
 def parse_budget(budget: int | float | str | None) -> int | None:
     """Bytes from an int or a string with a unit (``"40GiB"``, ``"512 MiB"``, ``"80GB"``)."""
     if budget is None:
         return None
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+             "gb": 10**9, "tb": 10**12}
     if isinstance(budget, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-        if m is None or m.group(2).lower() not in _UNITS:
+        if m is None or m.group(2).lower() not in units:
             raise ValueError(f"fsdp2.plan: memory_budget must be bytes or a size such as '40GiB' or '512MiB', "
                              f"got {budget!r}")
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        return int(float(m.group(1)) * units[m.group(2).lower()])
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
         raise ValueError(f"fsdp2.plan: memory_budget must be a positive number of bytes, got {budget!r}")
     return int(budget)

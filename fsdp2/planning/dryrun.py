@@ -54,8 +54,8 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 class DryRun:
-    """Measures plans of one model at one job shape; a context manager holding the fake
-    process group (none may be initialized before)."""
+    """Measures plans of one model at one job shape. A context manager that checks no
+    process group is initialized (each ``measure`` starts and ends its own fake one)."""
 
     def __init__(self, model: nn.Module, shape: tuple[int, ...], names: tuple[str, ...] | None, inputs: Any,
                  loss_fn: Callable[[Any], torch.Tensor] | None, optimizer: Callable[..., Any] | None) -> None:
@@ -99,9 +99,22 @@ class DryRun:
         return self._phase
 
     def measure(self, plan: Plan) -> Estimate:
+        """One tracked step of ``plan`` (see the module docstring)."""
         self.runs += 1
-        # The peak is exact; its split is taken within 1% of it (fewer walks of the model).
-        tracker = MemoryTracker(self.phase, lambda: "", meta=True, split_every=1.01)
+        try:
+            return self._measure(plan)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+            raise DryRunError(
+                f"fsdp2.plan: the dry run of one training step on the meta device failed: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}. The estimate runs the model without data: ops that "
+                "read values (nonzero, bincount, .item(), .tolist(): data-dependent routing) and ops whose meta "
+                "kernel differs from the device's (torch's meta _grouped_mm takes bfloat16 only) cannot run "
+                "there; make the plan without inputs= and measure the job with python -m fsdp2.estimate"
+            ) from e
+
+    def _measure(self, plan: Plan) -> Estimate:
+        # The peak is exact; its split is taken within 2% of it (fewer walks of the model).
+        tracker = MemoryTracker(self.phase, lambda: "", meta=True, split_every=1.02)
         # Copied before the tracker starts: the copy reads the template's tensors through
         # views, which would count the template's storages too.
         model = copy.deepcopy(self.template)
@@ -159,6 +172,10 @@ def fused_attention() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+class DryRunError(RuntimeError):
+    """The model's step cannot run on the meta device (the error it raised is the cause)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

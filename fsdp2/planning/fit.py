@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._memory import CATEGORIES
-from .dryrun import DryRun
+from .dryrun import DryRun, DryRunError
 from .groups import Group
 from .plan import Estimate, Plan
 
@@ -133,8 +133,9 @@ def selective_runs(plan: Plan, run: DryRun) -> tuple[bool, str]:
     blocks[0].ac = "selective"
     try:
         run.measure(plan)
-    except RuntimeError as e:
-        return False, f"; selective checkpointing left out, it fails on these blocks ({str(e).splitlines()[0][:120]})"
+    except DryRunError as e:
+        cause = str(e.__cause__).splitlines()[0][:120]
+        return False, f"; selective checkpointing left out, torch's refuses these blocks ({cause})"
     finally:
         with_setting(plan, saved)
     return True, ""

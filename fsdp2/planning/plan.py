@@ -8,15 +8,17 @@ prints as a table and as code, and applies as the calls that code shows.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from .groups import AC_CHOICES, Group
+from .render import experts_on, render_calls, render_table
 
 
 def selective_context() -> tuple[Any, Any]:
@@ -36,6 +38,12 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
              aten._scaled_dot_product_efficient_attention.default,
              aten._scaled_dot_product_flash_attention_for_cpu.default)
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Experts(NamedTuple):
+    """The routed-experts module (fqn) whose parameters a call shards on the expert mesh."""
+
+    fqn: str
 
 
 @dataclass
@@ -76,7 +84,8 @@ class Plan:
 
     def edit(self, pattern: str, **fields: Any) -> Plan:
         """Set ``fields`` (``reshard_after_forward``, ``ac``, ``offload``) on every group
-        whose name matches the regular expression ``pattern`` (``fullmatch``)."""
+        whose name matches the regular expression ``pattern`` (``fullmatch``). Checked
+        first: a bad value changes nothing."""
         chosen = [g for g in self.groups if re.fullmatch(pattern, g.name)]
         if not chosen:
             raise ValueError(f"no group name matches {pattern!r}; the groups: {', '.join(g.name for g in self.groups)}")
@@ -84,30 +93,23 @@ class Plan:
         if unknown:
             raise TypeError(f"Plan.edit takes reshard_after_forward, ac and offload, got {sorted(unknown)}")
         for g in chosen:
+            check_group(dataclasses.replace(g, **fields))
+        for g in chosen:
             for k, v in fields.items():
                 setattr(g, k, v)
-        self.check()
         self.estimate = None  # no longer this plan's
         return self
 
     def check(self) -> None:
         """Each group's settings are ones ``apply`` can carry out (ValueError otherwise)."""
         for g in self.groups:
-            if g.ac not in AC_CHOICES:
-                raise ValueError(f"group {g.name}: ac must be one of {AC_CHOICES}, got {g.ac!r}")
-            if g.ac != "none" and g.kind == "root":
-                raise ValueError(f"group {g.name}: activation checkpointing of the root is not planned; "
-                                 "checkpoint blocks instead")
-            r = g.reshard_after_forward
-            if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r > 1)):
-                raise ValueError(f"group {g.name}: reshard_after_forward must be a bool, None or an int > 1, got {r!r}")
-            if not isinstance(g.offload, bool):
-                raise ValueError(f"group {g.name}: offload must be a bool, got {g.offload!r}")
+            check_group(g)
 
     # ----------------------------------------------------------------- applying
     def calls(self) -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
         """``(function, module fqns, keyword arguments)`` in order: ``"checkpoint"`` and
-        ``"fully_shard"``. Keyword values are the objects passed (``mesh``...)."""
+        ``"fully_shard"``. Keyword values are the objects passed (``mesh``...), but
+        ``shard_placement_fn``: ``Experts(fqn)``, whose function ``experts_on`` makes."""
         self.check()
         out: list[tuple[str, tuple[str, ...], dict[str, Any]]] = []
         for g in self.groups:
@@ -123,7 +125,7 @@ class Plan:
             if self.ignored_params:
                 kwargs["ignored_params"] = self.ignored_params
             if g.experts is not None:
-                kwargs["shard_placement_fn"] = ("experts", g.experts)
+                kwargs["shard_placement_fn"] = Experts(g.experts)
             out.append(("fully_shard", g.modules, kwargs))
         return out
 
@@ -143,9 +145,7 @@ class Plan:
                 continue
             kwargs = dict(kwargs)
             if "shard_placement_fn" in kwargs:
-                from .render import experts_on
-
-                experts = model.get_submodule(kwargs["shard_placement_fn"][1])
+                experts = model.get_submodule(kwargs["shard_placement_fn"].fqn)
                 kwargs["shard_placement_fn"] = experts_on(experts, self.expert_mesh)
             fully_shard(targets[0] if len(targets) == 1 else targets, **kwargs)
         return model
@@ -166,17 +166,26 @@ class Plan:
     def code(self, model: str = "model") -> str:
         """The calls as Python, for ``model``, ``mesh``, ``mp_policy`` (and ``expert_mesh``,
         ``ignored_params``) in scope. Runs of blocks with one setting print as a loop."""
-        from .render import render_calls
-
         return render_calls(self.calls(), model)
 
     def __str__(self) -> str:
-        from .render import render_table
-
         return render_table(self)
 
     def __repr__(self) -> str:
         return f"<fsdp2 Plan: {len(self.groups)} fully_shard calls>\n{self}"
+
+
+def check_group(g: Group) -> None:
+    """``g``'s settings are ones ``apply`` can carry out (ValueError otherwise)."""
+    if g.ac not in AC_CHOICES:
+        raise ValueError(f"group {g.name}: ac must be one of {AC_CHOICES}, got {g.ac!r}")
+    if g.ac != "none" and g.kind == "root":
+        raise ValueError(f"group {g.name}: activation checkpointing of the root is not planned; checkpoint blocks instead")
+    r = g.reshard_after_forward
+    if not (r is None or isinstance(r, bool) or (isinstance(r, int) and r > 1)):
+        raise ValueError(f"group {g.name}: reshard_after_forward must be a bool, None or an int > 1, got {r!r}")
+    if not isinstance(g.offload, bool):
+        raise ValueError(f"group {g.name}: offload must be a bool, got {g.offload!r}")
 
 
 def fingerprint(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from .groups import ROOT
-
-if TYPE_CHECKING:
-    from .plan import Plan
 
 _MIB = 2**20
 
@@ -27,7 +24,8 @@ def experts_on(experts: nn.Module, mesh: Any) -> Any:
     return lambda p: placement if p in on else None
 
 
-def render_table(plan: Plan) -> str:
+def render_table(plan: Any) -> str:
+    """``plan`` (a ``Plan``) as a table, with its estimate when it has one."""
     head = ("group", "modules", "params", "gathered MiB", "reshard", "AC", "offload", "why")
     rows = [head]
     for g in plan.groups:
@@ -44,7 +42,7 @@ def render_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _estimate_lines(plan: Plan) -> list[str]:
+def _estimate_lines(plan: Any) -> list[str]:
     from .._memory import CATEGORIES
 
     e = plan.estimate
@@ -98,7 +96,7 @@ def _run(units: list, start: int) -> int:
         if m is None:
             return None
         expert = kwargs.get("shard_placement_fn")
-        tail = expert[1][len(modules[0]):] if expert else None
+        tail = expert.fqn[len(modules[0]):] if expert else None
         return (m.group(1), ac and tuple(ac), tuple((k, id(v)) for k, v in kwargs.items() if k != "shard_placement_fn"),
                 tail), int(m.group(2))
 
@@ -141,7 +139,7 @@ def _unit(unit: Any, model: str, indent: str, target: str | None = None, name: s
         elif k == "offload_policy":
             args.append("offload_policy=fsdp2.CPUOffloadPolicy()")
         elif k == "shard_placement_fn":
-            sub = v[1][len(modules[0]) + 1:] if name else v[1]
+            sub = v.fqn[len(modules[0]) + 1:] if name else v.fqn
             base = ref if name else model
             args.append(f'shard_placement_fn=experts_on({base}.get_submodule("{sub}"), expert_mesh)')
         else:
