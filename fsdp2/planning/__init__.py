@@ -82,13 +82,11 @@ def plan(
         raise ValueError(f"fsdp2.plan: no module of the classes {sorted(classes)} (blocks=) in this model")
     groups = find_groups(model, block_names, ignored)
     scale_to_dtype(groups, model, mp_policy.param_dtype)
+    shard_size = _shard_size(mesh, world_size)
     for g in groups:
         if g.kind == "block":
             g.why = f"repeated block {type(model.get_submodule(g.modules[0])).__name__}"
-            if expert_mesh is not None:
-                g.experts = find_experts(model, g.modules[0])
-                if g.experts is not None:
-                    g.why += f"; experts ({g.experts[len(g.modules[0]) + 1:]}) on the expert mesh"
+            _place_experts(model, g, expert_mesh, shard_size)
     described = f"{', '.join(sorted(classes)) or 'none'} ({where}), {len(block_names)} found"
     result = Plan(groups, mesh=mesh, mp_policy=mp_policy, expert_mesh=expert_mesh, ignored_params=ignored,
                   fingerprint=fingerprint(model), blocks_from=described)
@@ -103,6 +101,36 @@ def plan(
             result.estimate = run.measure(result)
             return result
         return fit(result, run, budget)
+
+
+def _shard_size(mesh: Any, world_size: int | None) -> int:
+    """How many ranks the calls shard over (the mesh's last dim)."""
+    if mesh is not None:
+        return mesh.size(mesh.ndim - 1)
+    if world_size is not None:
+        return world_size
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _place_experts(model: nn.Module, g: Group, expert_mesh: Any, shard_size: int) -> None:
+    """A block's routed experts: on the expert mesh when one is given; else on the call's
+    mesh, sharded on dim 1 where more ranks shard them than there are experts
+    (torchtitan's choice, no padding), left to the default (dim 0) otherwise."""
+    experts = find_experts(model, g.modules[0])
+    if experts is None:
+        return
+    short = experts[len(g.modules[0]) + 1:]
+    if expert_mesh is not None:
+        g.experts = experts
+        g.why += f"; experts ({short}) on the expert mesh"
+        return
+    rows = min((p.to_local() if hasattr(p, "to_local") else p).shape[0]
+               for p in model.get_submodule(experts).parameters() if p.ndim > 1)
+    if shard_size > rows:
+        g.experts = experts
+        g.why += f"; experts ({short}) sharded on dim 1: {rows} experts, {shard_size} ranks"
 
 
 def _check_estimable(model: nn.Module, expert_mesh: Any) -> None:

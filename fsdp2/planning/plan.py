@@ -41,9 +41,12 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class Experts(NamedTuple):
-    """The routed-experts module (fqn) whose parameters a call shards on the expert mesh."""
+    """The routed-experts module (fqn) whose parameters a call places itself: on the
+    expert mesh (``own_mesh``) or on the call's mesh, sharded on dim 1 (fewer experts
+    than ranks)."""
 
     fqn: str
+    own_mesh: bool
 
 
 @dataclass
@@ -125,7 +128,7 @@ class Plan:
             if self.ignored_params:
                 kwargs["ignored_params"] = self.ignored_params
             if g.experts is not None:
-                kwargs["shard_placement_fn"] = Experts(g.experts)
+                kwargs["shard_placement_fn"] = Experts(g.experts, self.expert_mesh is not None)
             out.append(("fully_shard", g.modules, kwargs))
         return out
 
@@ -146,7 +149,8 @@ class Plan:
             kwargs = dict(kwargs)
             if "shard_placement_fn" in kwargs:
                 experts = model.get_submodule(kwargs["shard_placement_fn"].fqn)
-                kwargs["shard_placement_fn"] = experts_on(experts, self.expert_mesh)
+                on = self.expert_mesh if kwargs["shard_placement_fn"].own_mesh else self.mesh
+                kwargs["shard_placement_fn"] = experts_on(experts, on)
             fully_shard(targets[0] if len(targets) == 1 else targets, **kwargs)
         return model
 

@@ -13,15 +13,21 @@ _MIB = 2**20
 
 
 def experts_on(experts: nn.Module, mesh: Any) -> Any:
-    """A ``shard_placement_fn`` putting ``experts``' parameters on ``mesh`` (dim 0) and
-    every other parameter of the call on the call's mesh."""
+    """A ``shard_placement_fn`` putting ``experts``' parameters on ``mesh`` (``None``: the
+    default process group's ranks) and every other parameter of the call on the call's
+    mesh. As torchtitan does, experts are sharded on dim 1 when more ranks shard them
+    than there are experts (no padding), else on dim 0."""
+    import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
     from ..api import ShardPlacementResult
 
-    on = set(experts.parameters())
-    placement = ShardPlacementResult(Shard(0), mesh)
-    return lambda p: placement if p in on else None
+    size = mesh.size(mesh.ndim - 1) if mesh is not None else dist.get_world_size()
+    placements = {}
+    for p in experts.parameters():
+        rows = (p.to_local() if hasattr(p, "to_local") else p).shape[0] if p.ndim > 1 else size
+        placements[p] = ShardPlacementResult(Shard(1) if size > rows else Shard(0), mesh)
+    return placements.get
 
 
 def render_table(plan: Any) -> str:
@@ -141,7 +147,8 @@ def _unit(unit: Any, model: str, indent: str, target: str | None = None, name: s
         elif k == "shard_placement_fn":
             sub = v.fqn[len(modules[0]) + 1:] if name else v.fqn
             base = ref if name else model
-            args.append(f'shard_placement_fn=experts_on({base}.get_submodule("{sub}"), expert_mesh)')
+            on = "expert_mesh" if v.own_mesh else "mesh"
+            args.append(f'shard_placement_fn=experts_on({base}.get_submodule("{sub}"), {on})')
         else:
             args.append(f"{k}={v!r}")
     lines.append(f"{indent}fsdp2.fully_shard({ref}, {', '.join(args)})")
