@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_ranks
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
