@@ -8,6 +8,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train.py --optim muon --clip 1.0
     torchrun --standalone --nproc-per-node 4 examples/train.py --moe --experts 4 --top-k 2 --ep 2
     torchrun --standalone --nproc-per-node 2 examples/train.py --data text --eval-every 10
+    torchrun --standalone --nproc-per-node 2 examples/train.py --auto-plan --memory-budget 40  # GiB per rank
 
 CPU + gloo by default; GPUs + NCCL when CUDA is available (one GPU per rank).
 Each block is its own fsdp2 group, plus the root (embeddings, final norm, output).
@@ -56,6 +57,17 @@ forward only, averaged over the data ranks); not with ``--pp``.
 ``--quantize-gather`` / ``--quantize-reduce`` (``int8`` or ``fp8``) quantize fsdp2's
 parameter all-gather / gradient reduce-scatter (``MixedPrecisionPolicy``'s fields of
 those names; with ``--bf16`` too). torch's fully_shard has no such thing.
+
+``--auto-plan`` shards with ``fsdp2.plan`` (``docs/planning.md``) instead of the
+per-block loop: the embeddings, each block, the final norm with the output head, then the
+root, each with the planner's settings; rank 0 prints the plan's table.
+``--memory-budget G`` (GiB, or a size such as ``800MiB``) fits that plan to G per rank
+before the process group starts: dry runs on torch's fake process group at ``WORLD_SIZE``
+ranks and this rank's batch shape choose each group's resharding and activation
+checkpointing (CPU offload last); every rank computes the same plan. When nothing fits,
+rank 0 prints why and the job exits with status 1. Not with ``--impl torch``, ``--pp``,
+``--tp``, ``--ac`` or ``--compile``; the budget not with ``--moe`` (the routing reads
+values, which the dry run has not) or ``--optim muon`` (the fit counts AdamW's state).
 
 Checkpointing: ``--ckpt-dir DIR --save-every N`` saves model, optimizer, step and RNG
 with torch.distributed.checkpoint into ``DIR/step-NNNNNN`` (written to a temporary
@@ -128,6 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantize-reduce", choices=["int8", "fp8"], default=None,
                    help="quantized gradient reduce-scatter (MixedPrecisionPolicy.quantize_reduce)")
     p.add_argument("--meta-init", action="store_true", help="build on the meta device, shard, then materialize")
+    p.add_argument("--auto-plan", action="store_true",
+                   help="shard with fsdp2.plan (groups, resharding, activation checkpointing chosen by the "
+                        "planner) instead of the per-block loop; rank 0 prints the plan")
+    p.add_argument("--memory-budget", type=budget_bytes, default=None, metavar="GIB",
+                   help="with --auto-plan: fit the plan to this many GiB per rank (or a size such as "
+                        "'800MiB') by dry runs before the process group starts")
     p.add_argument("--impl", choices=["fsdp2", "torch"], default="fsdp2")
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (inductor) before fully_shard")
@@ -176,6 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tp {args.tp} must divide --vocab ({args.vocab}) and the MLP's hidden size "
                 f"({ffn_hidden_dim(args.dim)} for --dim {args.dim}): tensor parallel splits them evenly")
     check_moe_args(p, args, world)
+    check_plan_args(p, args)
     stages = args.pp * (2 if args.pp_schedule in LOOPED else 1)
     if args.pp > 1 and (args.layers % stages or args.batch_size % args.microbatches):
         p.error(f"--pp {args.pp} with {args.pp_schedule} makes {stages} stages: --layers ({args.layers}) must be "
@@ -198,6 +217,48 @@ def check_data_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.eval_every and args.pp > 1:
         p.error("--eval-every cannot run with --pp in this example: the held-out forward would need a "
                 "pipeline schedule of its own")
+
+
+def budget_bytes(text: str) -> int:
+    """``--memory-budget``: a number of GiB (``40``, ``0.5``) or a size with its unit
+    (``800MiB``, ``80GB``), as bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        from fsdp2.planning import parse_budget
+
+        try:
+            return parse_budget(text)  # type: ignore[return-value]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text!r}")
+    return int(value * 2**30)
+
+
+def check_plan_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--auto-plan`` shards the plain model (one 1-D or HSDP mesh) with fsdp2's planner,
+    which also chooses activation checkpointing; ``--memory-budget`` fits that plan."""
+    if args.memory_budget is not None and not args.auto_plan:
+        p.error("--memory-budget fits the plan of --auto-plan: add --auto-plan")
+    if not args.auto_plan:
+        return
+    refused = [(args.impl == "torch", "--impl torch", "the plan's calls are fsdp2's fully_shard"),
+               (args.pp > 1, "--pp", "pipeline stages are sharded stage by stage"),
+               (args.tp > 1, "--tp", "the planner shards the plain model over one data-parallel mesh"),
+               (args.ac != "none", f"--ac {args.ac}", "the plan chooses each block's activation checkpointing"),
+               (args.compile, "--compile", ("the blocks would be compiled between the plan's checkpoint "
+                                            "and fully_shard calls"))]
+    for bad, flag, why in refused:
+        if bad:
+            p.error(f"--auto-plan cannot run with {flag}: {why}")
+    if args.memory_budget is None:
+        return
+    if args.moe:
+        p.error("--memory-budget cannot run with --moe: the dry run has no data, and the MoE's routing "
+                "reads values (bincount, tolist)")
+    if args.optim != "adamw":
+        p.error(f"--memory-budget cannot run with --optim {args.optim}: the fit counts AdamW's state")
 
 
 def check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
@@ -520,8 +581,11 @@ def mesh_rank(mesh: Any) -> int:
     return index
 
 
-def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, device: torch.device) -> Trainer:
-    """No pipeline: FSDP over every rank, or HSDP (``--hsdp``), over tensor parallel (``--tp``)."""
+def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, device: torch.device,
+                fitted: Any = None) -> Trainer:
+    """No pipeline: FSDP over every rank, or HSDP (``--hsdp``), over tensor parallel (``--tp``).
+    ``--auto-plan``: the groups and their settings from ``fsdp2.plan`` (``fitted``: the plan
+    ``fit_plan`` fitted to ``--memory-budget``, whose settings it takes)."""
     meshes = moe_meshes(device.type, dist.get_world_size(), 1, args.hsdp, args.ep, args.tp) if args.moe else None
     if meshes is not None:
         dp_mesh, tp_mesh, data_rank = meshes.dense, meshes.tp, mesh_rank(meshes.dense)
@@ -533,12 +597,15 @@ def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, d
         parallelize_tp(model, tp_mesh)  # before the checkpoint wrappers change the module paths
     if meshes is not None and meshes.ep is not None:
         parallelize_experts(model, meshes.ep)
-    checkpoint_blocks(model, args.ac)
-    compile_blocks(model, args.compile, tensor_parallel=tp_mesh is not None)
-    for layer in model.layers:
-        placement_fn = expert_placement_fn(layer, args.impl, meshes) if meshes is not None else None
-        lib.fully_shard(layer, mesh=dp_mesh, mp_policy=mp, shard_placement_fn=placement_fn)
-    lib.fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    if args.auto_plan:
+        apply_plan(model, dp_mesh, mp, fitted, meshes.experts if meshes is not None else None)
+    else:
+        checkpoint_blocks(model, args.ac)
+        compile_blocks(model, args.compile, tensor_parallel=tp_mesh is not None)
+        for layer in model.layers:
+            placement_fn = expert_placement_fn(layer, args.impl, meshes) if meshes is not None else None
+            lib.fully_shard(layer, mesh=dp_mesh, mp_policy=mp, shard_placement_fn=placement_fn)
+        lib.fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     if args.meta_init:
         model.to_empty(device=device)
     init_weights(model, args.seed)
@@ -549,6 +616,48 @@ def build_plain(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, d
         return loss
 
     return Trainer(model, train_step, data_rank)
+
+
+def apply_plan(model: Transformer, dp_mesh: Any, mp: Any, fitted: Any, expert_mesh: Any = None) -> None:
+    """``--auto-plan``: ``fsdp2.plan``'s calls on ``model`` (the embeddings, each block, the
+    final norm with the output, the root); rank 0 prints the plan. With ``fitted`` (made
+    before the process group existed, without a mesh) its groups' settings and estimate."""
+    import fsdp2
+
+    plan = fsdp2.plan(model, mesh=dp_mesh, mp_policy=mp, expert_mesh=expert_mesh)
+    if fitted is not None:
+        plan.adopt(fitted)  # the fitted settings, onto the plan with the job's mesh
+    plan.apply(model)
+    if dist.get_rank() == 0:
+        print(plan, flush=True)
+
+
+def fit_plan(args: argparse.Namespace, margs: ModelArgs, mp: Any) -> Any:
+    """``--memory-budget``: the plan of this model fitted to the budget, by dry runs on
+    torch's fake process group at the job's size (``WORLD_SIZE``) and this rank's batch
+    shape. It runs before ``init_process_group`` (the fake group cannot start beside a real
+    one); every rank computes the same plan (its dry runs are deterministic), so nothing
+    needs to be sent. No plan fits: rank 0 prints why, every rank exits with status 1.
+    Without a budget: the planner's default plan and its estimate (one dry run)."""
+    import fsdp2
+    from fsdp2.planning import BudgetError
+
+    if dist.is_initialized():
+        raise SystemExit("--memory-budget fits the plan before the process group starts (torch's fake "
+                         "process group), and this process already has one: run the example under torchrun")
+    with torch.device("meta"):
+        model = Transformer(margs)
+    tokens = torch.empty(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
+    targets = torch.empty(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
+    try:  # the planner's default optimizer is the example's: AdamW (its state is the same at any lr)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        shape = (args.hsdp, world // args.hsdp) if args.hsdp > 1 else world  # (replicate, shard) with --hsdp
+        return fsdp2.plan(model, world_size=shape, mp_policy=mp, inputs=tokens,
+                          loss_fn=lambda logits: loss_fn(logits, targets), memory_budget=args.memory_budget)
+    except BudgetError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(e, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def build_pipeline(args: argparse.Namespace, margs: ModelArgs, lib: Any, mp: Any, device: torch.device) -> Trainer:
@@ -670,10 +779,17 @@ def precision_policy(args: argparse.Namespace, lib: Any) -> Any:
 def describe(args: argparse.Namespace, n_params: int, world: int, device: torch.device) -> str:
     """Rank 0's first line: the run's configuration."""
     return (f"{args.impl}: {n_params / 1e6:.2f}M parameters on rank 0, world size {world}, pp {args.pp}, "
-            f"tp {args.tp}, hsdp {args.hsdp}, ac {args.ac}, compile {args.compile}, optim {args.optim}, "
+            f"tp {args.tp}, hsdp {args.hsdp}, ac {'(the plan)' if args.auto_plan else args.ac}, "
+            f"compile {args.compile}, optim {args.optim}, "
             f"clip {args.clip}, device {device.type}"
             + (f", moe {args.experts} experts top-{args.top_k} ep {args.ep}" if args.moe else "")
-            + f", data {args.data}, quantize gather {args.quantize_gather} reduce {args.quantize_reduce}")
+            + f", data {args.data}, quantize gather {args.quantize_gather} reduce {args.quantize_reduce}"
+            + (", auto-plan" if args.auto_plan else "")
+            + (f" fitted to {_size(args.memory_budget)}" if args.memory_budget is not None else ""))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
 
 
 def report_heldout(args: argparse.Namespace, step: int, model: nn.Module, batches: Batches, data_rank: int,
@@ -686,20 +802,25 @@ def report_heldout(args: argparse.Namespace, step: int, model: nn.Module, batche
         print(f"eval step {step} heldout_loss {value:.4f}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    device = setup()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world % args.pp:
-        raise SystemExit(f"--pp {args.pp} must divide the world size {world}")
-    lib = importlib.import_module("fsdp2" if args.impl == "fsdp2" else "torch.distributed.fsdp")
-    margs = ModelArgs(
+def model_args(args: argparse.Namespace) -> ModelArgs:
+    return ModelArgs(
         vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
         hidden_dim=ffn_hidden_dim(args.dim), max_seq_len=args.seq_len,
         n_experts=args.experts if args.moe else 0, top_k=args.top_k,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    lib = importlib.import_module("fsdp2" if args.impl == "fsdp2" else "torch.distributed.fsdp")
+    margs = model_args(args)
     mp = precision_policy(args, lib)
-    build = build_pipeline if args.pp > 1 else build_plain
+    fitted = fit_plan(args, margs, mp) if args.memory_budget is not None else None  # before setup()
+    device = setup()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % args.pp:
+        raise SystemExit(f"--pp {args.pp} must divide the world size {world}")
+    build = build_pipeline if args.pp > 1 else functools.partial(build_plain, fitted=fitted)
     model, train_step, data_rank, pp_mesh = build(args, margs, lib, mp, device)
     optims = make_optimizers(args, model)
     n_params = sum(p.numel() for p in model.parameters())

@@ -298,3 +298,27 @@ def test_a_model_the_dry_run_cannot_step_says_why() -> None:
     with pytest.raises(fsdp2.planning.DryRunError, match="dry run of one training step on the meta device failed"):
         fsdp2.plan(_Routed(), world_size=4, inputs=torch.zeros(4, 8))
     assert not dist.is_initialized()  # the fake process group is gone again
+
+
+def test_adopt_takes_a_fitted_plans_settings_and_a_stale_estimate_says_so() -> None:
+    model = _example(layers=3)
+    inputs = torch.zeros(2, 16, dtype=torch.long)
+    fitted = fsdp2.plan(model, world_size=(2, 4), inputs=inputs)  # HSDP: 2 replicas of 4 shards
+    assert fitted.estimate is not None and "measured before" not in str(fitted)
+    fitted.edit(r"layers\.[01]", ac="full")
+    assert fitted.estimate is None
+    fitted.estimate = fsdp2.plan(model, world_size=(2, 4), inputs=inputs).estimate
+    assert "measured before the groups' settings changed" in str(fitted)
+    later = fsdp2.plan(model).adopt(fitted)
+    assert [g.ac for g in later.groups] == [g.ac for g in fitted.groups] and later.estimate is fitted.estimate
+    with pytest.raises(ValueError, match="same groups"):
+        fsdp2.plan(_example(layers=2)).adopt(fitted)
+    with pytest.raises(ValueError, match="world_size must be"):
+        fsdp2.plan(model, world_size=(2, 2, 2))
+
+
+def test_offloaded_runs_of_blocks_print_as_one_loop() -> None:
+    p = fsdp2.plan(_example(layers=5))
+    p.edit(r"layers\.\d", offload=True)
+    code = p.code()
+    assert "for i in range(0, 5):" in code and code.count("offload_policy=fsdp2.CPUOffloadPolicy()") == 1

@@ -239,6 +239,7 @@ class HandWritten(Plan):
     def __init__(self, shard: Shard) -> None:  # measure reads no other field of a Plan
         self.shard = shard
         self.mesh = None
+        self.groups = []  # settings() of a hand-written sharding: none the planner chose
 
     def apply(self, model: nn.Module, fully_shard: Any = None) -> nn.Module:
         self.shard(model, self.mesh)

@@ -30,7 +30,7 @@ def plan(
     model: nn.Module,
     *,
     mesh: Any = None,
-    world_size: int | None = None,
+    world_size: int | tuple[int, int] | None = None,
     mp_policy: Any = None,
     expert_mesh: Any = None,
     ignored_params: set[nn.Parameter] | None = None,
@@ -46,8 +46,10 @@ def plan(
         model: the unsharded model (on any device, meta included).
         mesh: the mesh every call gets (1-D or ``(replicate, shard)``); ``None`` as for
             ``fully_shard``. Its shape is the job's shape for the estimate.
-        world_size: the job's size when planning before launch, without a mesh (the
-            estimate's mesh is then ``(world_size,)``; the plan's calls get ``mesh=None``).
+        world_size: the job's size when planning before launch, without a mesh: the
+            estimate's mesh is ``(world_size,)``, or the HSDP shape ``(replicate, shard)``
+            given as a tuple; the plan's calls get ``mesh=None`` (``adopt`` moves the
+            settings onto the plan made with the job's mesh).
         mp_policy: the ``MixedPrecisionPolicy`` of every call (default: none).
         expert_mesh: the mesh of routed experts (Mixture-of-Experts): each block's
             experts module is sharded on it through ``shard_placement_fn``.
@@ -69,8 +71,9 @@ def plan(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdp2.plan expects an nn.Module, got {type(model).__name__}")
-    if mesh is not None and world_size is not None and mesh.size() != world_size:
-        raise ValueError(f"fsdp2.plan: world_size={world_size} but the mesh has {mesh.size()} ranks; give one of them")
+    shape = _world_shape(world_size)
+    if mesh is not None and shape is not None and tuple(mesh.mesh.shape) != shape:
+        raise ValueError(f"fsdp2.plan: world_size={world_size} but the mesh is {tuple(mesh.mesh.shape)}; give one of them")
     budget = parse_budget(memory_budget)
     if budget is not None and inputs is None:
         raise ValueError("fsdp2.plan: memory_budget= needs inputs= (one local batch) to measure the step it fits")
@@ -82,7 +85,7 @@ def plan(
         raise ValueError(f"fsdp2.plan: no module of the classes {sorted(classes)} (blocks=) in this model")
     groups = find_groups(model, block_names, ignored)
     scale_to_dtype(groups, model, mp_policy.param_dtype)
-    shard_size = _shard_size(mesh, world_size)
+    shard_size = _shard_size(mesh, shape)
     for g in groups:
         if g.kind == "block":
             g.why = f"repeated block {type(model.get_submodule(g.modules[0])).__name__}"
@@ -95,7 +98,7 @@ def plan(
     _check_estimable(model, expert_mesh)
     from .dryrun import DryRun
 
-    shape, names = _job_shape(mesh, world_size)
+    shape, names = _job_shape(mesh, shape)
     with DryRun(model, shape, names, inputs, loss_fn, optimizer) as run:
         if budget is None:
             result.estimate = run.measure(result)
@@ -103,12 +106,21 @@ def plan(
         return fit(result, run, budget)
 
 
-def _shard_size(mesh: Any, world_size: int | None) -> int:
+def _world_shape(world_size: int | tuple[int, ...] | None) -> tuple[int, ...] | None:
+    if world_size is None:
+        return None
+    shape = (world_size,) if isinstance(world_size, int) else tuple(world_size)
+    if not 1 <= len(shape) <= 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+        raise ValueError(f"fsdp2.plan: world_size must be a positive int or a (replicate, shard) pair, got {world_size!r}")
+    return shape
+
+
+def _shard_size(mesh: Any, shape: tuple[int, ...] | None) -> int:
     """How many ranks the calls shard over (the mesh's last dim)."""
     if mesh is not None:
         return mesh.size(mesh.ndim - 1)
-    if world_size is not None:
-        return world_size
+    if shape is not None:
+        return shape[-1]
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_initialized() else 1
@@ -146,14 +158,14 @@ def _check_estimable(model: nn.Module, expert_mesh: Any) -> None:
         )
 
 
-def _job_shape(mesh: Any, world_size: int | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+def _job_shape(mesh: Any, shape: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
     if mesh is not None:
         return tuple(mesh.mesh.shape), mesh.mesh_dim_names
-    if world_size is None:
+    if shape is None:
         import torch.distributed as dist
 
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-    return (world_size,), None
+        shape = (dist.get_world_size() if dist.is_initialized() else 1,)
+    return shape, None
 
 
 def parse_budget(budget: int | float | str | None) -> int | None:

@@ -143,7 +143,8 @@ class DryRun:
             self._phase = "optimizer"
             optimizer.step()
             self._phase = "other"
-        return Estimate(peak=tracker.peak, split=dict(tracker.peak_split), phase=tracker.peak_at[0])
+        return Estimate(peak=tracker.peak, split=dict(tracker.peak_split), phase=tracker.peak_at[0],
+                        settings=plan.settings())
 
 
 @contextlib.contextmanager

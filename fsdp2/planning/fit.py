@@ -88,7 +88,7 @@ def fit(plan: Plan, run: DryRun, budget: int) -> Plan:
     loosest = measure(run, plan)
     if loosest.peak <= budget:  # nothing to give up
         plan.estimate = _with_budget(loosest, budget)
-        plan.estimate.note = _joined(plan.estimate.note, "fitted: rung 0 (every group kept gathered), 1 dry run")
+        plan.estimate.note = _joined(plan.estimate.note, f"fitted: rung 0 (every group kept gathered), {run.runs} dry run")
         return plan
     selective, why = selective_runs(plan, run)
     steps = ladder(plan.groups, selective)
@@ -114,7 +114,7 @@ def fit(plan: Plan, run: DryRun, budget: int) -> Plan:
     with_setting(plan, steps.rungs[lo])
     plan.estimate = _with_budget(peak(lo), budget)
     plan.estimate.note = _joined(plan.estimate.note, f"fitted: rung {lo} of {len(steps.rungs) - 1} "
-                                 f"({steps.labels[lo]}), {len(seen) + int(selective)} dry runs{why}")
+                                 f"({steps.labels[lo]}), {run.runs} dry runs{why}")
     return plan
 
 
@@ -134,7 +134,7 @@ def selective_runs(plan: Plan, run: DryRun) -> tuple[bool, str]:
     try:
         run.measure(plan)
     except DryRunError as e:
-        cause = str(e.__cause__).splitlines()[0][:120]
+        cause = str(e.__cause__).splitlines()[0].split(". ")[0]
         return False, f"; selective checkpointing left out, torch's refuses these blocks ({cause})"
     finally:
         with_setting(plan, saved)
@@ -142,7 +142,7 @@ def selective_runs(plan: Plan, run: DryRun) -> tuple[bool, str]:
 
 
 def _with_budget(e: Estimate, budget: int) -> Estimate:
-    return Estimate(peak=e.peak, split=dict(e.split), phase=e.phase, budget=budget, note=e.note)
+    return Estimate(peak=e.peak, split=dict(e.split), phase=e.phase, budget=budget, note=e.note, settings=e.settings)
 
 
 def _over(e: Estimate, label: str) -> str:

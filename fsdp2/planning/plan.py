@@ -58,6 +58,7 @@ class Estimate:
     phase: str
     budget: int | None = None
     note: str = ""
+    settings: tuple = ()  # the plan's (reshard_after_forward, ac, offload) per group when measured
 
     @property
     def fits(self) -> bool:
@@ -79,6 +80,22 @@ class Plan:
         self._fingerprint = fingerprint
 
     # ------------------------------------------------------------------ editing
+    def settings(self) -> tuple[tuple[Any, str, bool], ...]:
+        """Each group's ``(reshard_after_forward, ac, offload)``, in order."""
+        return tuple((g.reshard_after_forward, g.ac, g.offload) for g in self.groups)
+
+    def adopt(self, other: Plan) -> Plan:
+        """Take ``other``'s settings and estimate: ``other`` is a plan of the same model
+        made elsewhere (fitted before launch with ``world_size=``; this one made with the
+        job's mesh). Its groups must be this plan's."""
+        if [g.modules for g in other.groups] != [g.modules for g in self.groups]:
+            raise ValueError("Plan.adopt expects a plan of the same model with the same groups; got groups "
+                             f"{[g.name for g in other.groups][:4]}..., this plan has {[g.name for g in self.groups][:4]}...")
+        for g, o in zip(self.groups, other.groups):
+            g.reshard_after_forward, g.ac, g.offload = o.reshard_after_forward, o.ac, o.offload
+        self.estimate = other.estimate
+        return self
+
     def __getitem__(self, name: str) -> Group:
         for g in self.groups:
             if g.name == name or name in g.modules:

@@ -12,6 +12,11 @@ from .groups import ROOT
 _MIB = 2**20
 
 
+def mib(n: int) -> str:
+    """Bytes as MiB, with more decimals for small sizes."""
+    return f"{n / _MIB:,.1f}" if n >= 10 * _MIB or n == 0 else f"{n / _MIB:.3f}"
+
+
 def experts_on(experts: nn.Module, mesh: Any) -> Any:
     """A ``shard_placement_fn`` putting ``experts``' parameters on ``mesh`` (``None``: the
     default process group's ranks) and every other parameter of the call on the call's
@@ -36,7 +41,7 @@ def render_table(plan: Any) -> str:
     rows = [head]
     for g in plan.groups:
         reshard = "default" if g.reshard_after_forward is None else str(g.reshard_after_forward)
-        rows.append((g.name, str(len(g.modules)), f"{g.params:,}", f"{g.gathered_bytes / _MIB:,.1f}", reshard,
+        rows.append((g.name, str(len(g.modules)), f"{g.params:,}", mib(g.gathered_bytes), reshard,
                      g.ac, "yes" if g.offload else "no", g.why))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
     lines = ["  ".join(c.ljust(w) if i in (0, 4, 5, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -53,12 +58,14 @@ def _estimate_lines(plan: Any) -> list[str]:
 
     e = plan.estimate
     assert e is not None, "no estimate to print"
-    out = [f"estimated peak per rank: {e.peak / _MIB:,.1f} MiB ({e.phase})"
-           + (f", budget {e.budget / _MIB:,.1f} MiB: " + ("fits" if e.fits else
-              f"over by {(e.peak - e.budget) / _MIB:,.1f} MiB") if e.budget is not None else "")]
+    out = [f"estimated peak per rank: {mib(e.peak)} MiB ({e.phase})"
+           + (f", budget {mib(e.budget)} MiB: " + ("fits" if e.fits else
+              f"over by {mib(e.peak - e.budget)} MiB") if e.budget is not None else "")]
+    if e.settings and e.settings != plan.settings():
+        out.append("  (measured before the groups' settings changed: not this plan's; fsdp2.plan again to measure)")
     for c in CATEGORIES:
         share = e.split.get(c, 0) / e.peak if e.peak else 0.0
-        out.append(f"  {c:22s} {e.split.get(c, 0) / _MIB:12,.1f} MiB  {share:6.1%}")
+        out.append(f"  {c:22s} {mib(e.split.get(c, 0)):>12s} MiB  {share:6.1%}")
     if e.note:
         out.append(e.note)
     return out
@@ -103,8 +110,9 @@ def _run(units: list, start: int) -> int:
             return None
         expert = kwargs.get("shard_placement_fn")
         tail = expert.fqn[len(modules[0]):] if expert else None
-        return (m.group(1), ac and tuple(ac), tuple((k, id(v)) for k, v in kwargs.items() if k != "shard_placement_fn"),
-                tail), int(m.group(2))
+        same = tuple((k, id(v) if k in ("mesh", "mp_policy", "ignored_params") else repr(v))
+                     for k, v in kwargs.items() if k != "shard_placement_fn")
+        return (m.group(1), ac and tuple(ac), same, tail), int(m.group(2))
 
     first = key(units[start])
     if first is None:
