@@ -322,3 +322,21 @@ def test_offloaded_runs_of_blocks_print_as_one_loop() -> None:
     p.edit(r"layers\.\d", offload=True)
     code = p.code()
     assert "for i in range(0, 5):" in code and code.count("offload_policy=fsdp2.CPUOffloadPolicy()") == 1
+
+
+def test_the_estimate_counts_frozen_and_ignored_parameters_as_the_job_holds_them() -> None:
+    inputs = torch.zeros(2, 16, dtype=torch.long)
+    model = _example(layers=3)
+    base = fsdp2.plan(model, world_size=4, inputs=inputs).estimate
+    for p in model.layers[0].parameters():
+        p.requires_grad_(False)
+    frozen = fsdp2.plan(model, world_size=4, inputs=inputs).estimate
+    assert base is not None and frozen is not None
+    shard_bytes = sum(p.numel() for p in model.layers[0].parameters()) * 4 // 4  # float32, 4 ranks
+    # AdamW keeps two states per trainable element: the frozen block's shards have none.
+    assert base.split["optimizer state"] - frozen.split["optimizer state"] >= 2 * shard_bytes * 0.95
+    ignored = fsdp2.plan(model, world_size=4, inputs=inputs, ignored_params=set(model.output.parameters())).estimate
+    assert ignored is not None
+    # The output head, not sharded, is held whole by every rank.
+    head = sum(p.numel() for p in model.output.parameters()) * 4
+    assert ignored.split["sharded parameters"] >= frozen.split["sharded parameters"] + head * 0.7

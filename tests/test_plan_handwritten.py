@@ -42,7 +42,6 @@ from _comm import CommCounter
 from torch import nn
 
 import fsdp2
-from fsdp2._module import FSDPModule
 from fsdp2.planning import Plan
 from fsdp2.planning.dryrun import DryRun, meta_copy
 
@@ -218,7 +217,7 @@ def units(model: nn.Module) -> Units:
     for n, m in model.named_modules():
         state = m.__dict__.get("_fsdp2_state")
         if state is not None:
-            assert isinstance(m, FSDPModule), n
+            assert isinstance(m, fsdp2.FSDPModule), n
             groups.setdefault(id(state.group), (state.group, []))[1].append(n)
     out: Units = {}
     for group, modules in groups.values():

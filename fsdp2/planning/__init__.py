@@ -91,7 +91,8 @@ def plan(
             g.why = f"repeated block {type(model.get_submodule(g.modules[0])).__name__}"
             _place_experts(model, g, expert_mesh, shard_size)
     described = f"{', '.join(sorted(classes)) or 'none'} ({where}), {len(block_names)} found"
-    result = Plan(groups, mesh=mesh, mp_policy=mp_policy, expert_mesh=expert_mesh, ignored_params=ignored,
+    ignored_fqns = [n for n, p in model.named_parameters() if p in ignored]
+    result = Plan(groups, mesh=mesh, mp_policy=mp_policy, expert_mesh=expert_mesh, ignored_fqns=ignored_fqns,
                   fingerprint=fingerprint(model), blocks_from=described)
     if inputs is None:
         return result

@@ -121,6 +121,7 @@ class DryRun:
         with self._world() as mesh, tracker, fused_attention():
             # Phase 1: the plan on a fresh copy, over the meta mesh.
             _on_mesh(plan, mesh).apply(model)
+            _count_unsharded(model)
             tracker.note_module(model)
             # Phase 2: the optimizer's state, as after the job's first step.
             stand_ins = [torch.empty_like(_local(p)).requires_grad_() for p in model.parameters() if p.requires_grad]
@@ -173,6 +174,21 @@ def fused_attention() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+def _count_unsharded(model: nn.Module) -> None:
+    """Buffers and the parameters no call sharded (``ignored_params``) were copied before
+    the tracker started: remade under it, so that they count as they do in the job."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for m in model.modules():
+            for name, p in m._parameters.items():
+                if p is not None and not isinstance(p, DTensor):
+                    p.data = torch.empty_like(p)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = torch.empty_like(b)
 
 
 class DryRunError(RuntimeError):

@@ -70,11 +70,12 @@ class Plan:
     ``reshard_after_forward``, ``ac`` and ``offload`` (or use ``edit``) before ``apply``."""
 
     def __init__(self, groups: list[Group], *, mesh: Any, mp_policy: Any, expert_mesh: Any,
-                 ignored_params: set[nn.Parameter], fingerprint: dict[str, tuple[int, ...]],
+                 ignored_fqns: list[str], fingerprint: dict[str, tuple[int, ...]],
                  blocks_from: str) -> None:
         self.groups = groups
         self.mesh, self.mp_policy, self.expert_mesh = mesh, mp_policy, expert_mesh
-        self.ignored_params = ignored_params
+        # By name: ``apply`` ignores these parameters of the model it is given (a copy too).
+        self.ignored_fqns = ignored_fqns
         self.estimate: Estimate | None = None
         self.blocks_from = blocks_from
         self._fingerprint = fingerprint
@@ -129,7 +130,8 @@ class Plan:
     def calls(self) -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
         """``(function, module fqns, keyword arguments)`` in order: ``"checkpoint"`` and
         ``"fully_shard"``. Keyword values are the objects passed (``mesh``...), but
-        ``shard_placement_fn``: ``Experts(fqn)``, whose function ``experts_on`` makes."""
+        ``shard_placement_fn``: ``Experts(fqn)``, whose function ``experts_on`` makes,
+        and ``ignored_params``: the parameters' names."""
         self.check()
         out: list[tuple[str, tuple[str, ...], dict[str, Any]]] = []
         for g in self.groups:
@@ -142,8 +144,8 @@ class Plan:
                 from ..api import CPUOffloadPolicy
 
                 kwargs["offload_policy"] = CPUOffloadPolicy()
-            if self.ignored_params:
-                kwargs["ignored_params"] = self.ignored_params
+            if self.ignored_fqns:
+                kwargs["ignored_params"] = self.ignored_fqns  # names: apply passes the model's parameters
             if g.experts is not None:
                 kwargs["shard_placement_fn"] = Experts(g.experts, self.expert_mesh is not None)
             out.append(("fully_shard", g.modules, kwargs))
@@ -164,6 +166,8 @@ class Plan:
                     checkpoint(t, **kwargs)
                 continue
             kwargs = dict(kwargs)
+            if "ignored_params" in kwargs:
+                kwargs["ignored_params"] = {model.get_parameter(n) for n in kwargs["ignored_params"]}
             if "shard_placement_fn" in kwargs:
                 experts = model.get_submodule(kwargs["shard_placement_fn"].fqn)
                 on = self.expert_mesh if kwargs["shard_placement_fn"].own_mesh else self.mesh
