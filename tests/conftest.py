@@ -4,13 +4,13 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-# The longest files first: the two pytest-xdist workers take whole files in collection
+# The longest files first: the pytest-xdist workers take whole files in collection
 # order, so the long ones start early instead of leaving one worker alone at the end.
 HEAVY_FIRST = [
     "test_train_example.py", "test_tensor_parallel.py", "test_train_example_moe.py", "test_moe.py", "test_muon.py", "test_leaks.py",
     "test_cpu_offload.py", "test_compile.py", "test_nd_checkpoint.py", "test_optimizer.py", "test_estimate.py",
     "test_accelerator_path.py", "test_state_dict.py", "test_gpu_check.py", "test_nd_meshes.py", "test_quant.py",
-    "test_train_example_quant.py",
+    "test_train_example_quant.py", "test_plan.py", "test_train_example_plan.py", "test_plan_moe.py",
 ]
 
 
