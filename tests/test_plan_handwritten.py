@@ -94,16 +94,7 @@ def hf_llama(monkeypatch: pytest.MonkeyPatch) -> Case:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          attn_implementation="sdpa")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    mp = fsdp2.MixedPrecisionPolicy()
-
-    def hand(m: nn.Module, mesh: Any) -> None:
-        titan_style(m, mesh, mp, embeddings=[m.model.embed_tokens], blocks=m.model.layers, norm=m.model.norm,
-                    head=m.lm_head)
-
-    ids = _tokens()
-    return Case(model, {"input_ids": ids, "labels": ids}, hand, mp, hf=True)
+    return _hf_decoder(LlamaForCausalLM, config)
 
 
 def hf_gpt2(monkeypatch: pytest.MonkeyPatch) -> Case:
@@ -134,8 +125,14 @@ def hf_qwen3_moe(monkeypatch: pytest.MonkeyPatch) -> Case:
                             num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                             attn_implementation="sdpa", experts_implementation="batched_mm")
+    return _hf_decoder(Qwen3MoeForCausalLM, config)
+
+
+def _hf_decoder(model_class: Any, config: Any) -> Case:
+    """A Hugging Face decoder (``model.embed_tokens``, ``model.layers``, ``model.norm``,
+    ``lm_head``) on meta, with torchtitan's calls written out for it."""
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(config)
+        model = model_class(config)
     mp = fsdp2.MixedPrecisionPolicy()
 
     def hand(m: nn.Module, mesh: Any) -> None:

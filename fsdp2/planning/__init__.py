@@ -84,7 +84,7 @@ def plan(
     if blocks is not None and not block_names:
         raise ValueError(f"fsdp2.plan: no module of the classes {sorted(classes)} (blocks=) in this model")
     groups = find_groups(model, block_names, ignored)
-    scale_to_dtype(groups, model, mp_policy.param_dtype)
+    scale_to_dtype(groups, mp_policy.param_dtype)
     shard_size = _shard_size(mesh, shape)
     for g in groups:
         if g.kind == "block":

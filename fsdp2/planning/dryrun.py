@@ -200,11 +200,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _on_mesh(plan: Plan, mesh: Any) -> Plan:
-    """The same plan over the dry run's mesh."""
-    from .plan import Plan as _Plan
-
+    """The same plan (the same groups) over the dry run's mesh."""
     twin = copy.copy(plan)
-    assert isinstance(twin, _Plan)
     twin.mesh = mesh
     return twin
 

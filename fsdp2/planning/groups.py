@@ -146,7 +146,7 @@ def _count(model: nn.Module, groups: list[Group], ignored: set[nn.Parameter]) ->
                     g.gathered_bytes += local.numel() * local.element_size()
 
 
-def scale_to_dtype(groups: list[Group], model: nn.Module, dtype: torch.dtype | None) -> None:
+def scale_to_dtype(groups: list[Group], dtype: torch.dtype | None) -> None:
     """Gathered bytes at ``dtype`` (the mixed-precision policy's ``param_dtype``)."""
     if dtype is None:
         return
