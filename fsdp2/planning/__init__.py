@@ -19,7 +19,7 @@ from torch import nn
 
 from .dryrun import DryRunError
 from .fit import BudgetError, fit
-from .groups import Group, block_classes, find_blocks, find_experts, find_groups, scale_to_dtype
+from .groups import Group, block_classes, find_blocks, find_experts, find_groups, local, scale_to_dtype
 from .plan import Estimate, Plan, fingerprint, selective_context
 from .render import experts_on
 
@@ -85,7 +85,8 @@ def plan(
         raise ValueError(f"fsdp2.plan: no module of the classes {sorted(classes)} (blocks=) in this model")
     groups = find_groups(model, block_names, ignored)
     scale_to_dtype(groups, mp_policy.param_dtype)
-    shard_size = _shard_size(mesh, shape)
+    job_shape, names = _job_shape(mesh, shape)
+    shard_size = job_shape[-1]  # the ranks each call shards over
     for g in groups:
         if g.kind == "block":
             g.why = f"repeated block {type(model.get_submodule(g.modules[0])).__name__}"
@@ -99,8 +100,7 @@ def plan(
     _check_estimable(model, expert_mesh)
     from .dryrun import DryRun
 
-    shape, names = _job_shape(mesh, shape)
-    with DryRun(model, shape, names, inputs, loss_fn, optimizer) as run:
+    with DryRun(model, job_shape, names, inputs, loss_fn, optimizer) as run:
         if budget is None:
             result.estimate = run.measure(result)
             return result
@@ -116,17 +116,6 @@ def _world_shape(world_size: int | tuple[int, ...] | None) -> tuple[int, ...] | 
     return shape
 
 
-def _shard_size(mesh: Any, shape: tuple[int, ...] | None) -> int:
-    """How many ranks the calls shard over (the mesh's last dim)."""
-    if mesh is not None:
-        return mesh.size(mesh.ndim - 1)
-    if shape is not None:
-        return shape[-1]
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def _place_experts(model: nn.Module, g: Group, expert_mesh: Any, shard_size: int) -> None:
     """A block's routed experts: on the expert mesh when one is given; else on the call's
     mesh, sharded on dim 1 where more ranks shard them than there are experts
@@ -139,8 +128,7 @@ def _place_experts(model: nn.Module, g: Group, expert_mesh: Any, shard_size: int
         g.experts = experts
         g.why += f"; experts ({short}) on the expert mesh"
         return
-    rows = min((p.to_local() if hasattr(p, "to_local") else p).shape[0]
-               for p in model.get_submodule(experts).parameters() if p.ndim > 1)
+    rows = min(local(p).shape[0] for p in model.get_submodule(experts).parameters() if p.ndim > 1)
     if shard_size > rows:
         g.experts = experts
         g.why += f"; experts ({short}) sharded on dim 1: {rows} experts, {shard_size} ranks"
@@ -160,6 +148,8 @@ def _check_estimable(model: nn.Module, expert_mesh: Any) -> None:
 
 
 def _job_shape(mesh: Any, shape: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """The job's mesh shape and dim names: ``mesh``'s, ``world_size=``'s, or the default
+    process group's size (1 without one)."""
     if mesh is not None:
         return tuple(mesh.mesh.shape), mesh.mesh_dim_names
     if shape is None:

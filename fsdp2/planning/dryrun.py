@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._memory import MemoryTracker
+from .groups import local
 from .plan import Estimate, Plan
 
 
@@ -124,7 +125,7 @@ class DryRun:
             _count_unsharded(model)
             tracker.note_module(model)
             # Phase 2: the optimizer's state, as after the job's first step.
-            stand_ins = [torch.empty_like(_local(p)).requires_grad_() for p in model.parameters() if p.requires_grad]
+            stand_ins = [torch.empty_like(local(p)).requires_grad_() for p in model.parameters() if p.requires_grad]
             optimizer = self.optimizer(stand_ins)
             tracker.note_optimizer(optimizer)
             for q in stand_ins:
@@ -140,7 +141,7 @@ class DryRun:
             del output
             trainable = [p for p in model.parameters() if p.requires_grad]
             for q, p in zip(stand_ins, trainable):
-                q.grad = None if p.grad is None else _local(p.grad)
+                q.grad = None if p.grad is None else local(p.grad)
             self._phase = "optimizer"
             optimizer.step()
             self._phase = "other"
@@ -193,10 +194,6 @@ def _count_unsharded(model: nn.Module) -> None:
 
 class DryRunError(RuntimeError):
     """The model's step cannot run on the meta device (the error it raised is the cause)."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _on_mesh(plan: Plan, mesh: Any) -> Plan:

@@ -49,6 +49,11 @@ class Group:
         return self.modules[0] if len(self.modules) == 1 else "[" + ", ".join(self.modules) + "]"
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of ``t``: a DTensor's local tensor (tensor or expert parallel)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def block_classes(model: nn.Module, given: Iterable[type | str] | None) -> tuple[set[str], str]:
     """The names of the block classes, and where they came from."""
     if given is not None:
@@ -141,9 +146,9 @@ def _count(model: nn.Module, groups: list[Group], ignored: set[nn.Parameter]) ->
                 if id(p) not in taken:
                     taken.add(id(p))
                     g.fqns.append(f"{m}.{name}" if m else name)
-                    local = p.to_local() if hasattr(p, "to_local") else p
-                    g.params += local.numel()
-                    g.gathered_bytes += local.numel() * local.element_size()
+                    mine = local(p)
+                    g.params += mine.numel()
+                    g.gathered_bytes += mine.numel() * mine.element_size()
 
 
 def scale_to_dtype(groups: list[Group], dtype: torch.dtype | None) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from .groups import ROOT
+from .groups import ROOT, local
 
 _MIB = 2**20
 
@@ -30,7 +30,7 @@ def experts_on(experts: nn.Module, mesh: Any) -> Any:
     size = mesh.size(mesh.ndim - 1) if mesh is not None else dist.get_world_size()
     placements = {}
     for p in experts.parameters():
-        rows = (p.to_local() if hasattr(p, "to_local") else p).shape[0] if p.ndim > 1 else size
+        rows = local(p).shape[0] if p.ndim > 1 else size
         placements[p] = ShardPlacementResult(Shard(1) if size > rows else Shard(0), mesh)
     return placements.get
 
