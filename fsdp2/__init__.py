@@ -2,7 +2,6 @@
 
 from . import optim  # noqa: F401 (fsdp2.optim.Muon after import fsdp2)
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from ._state_dict import StateDictError
 from .api import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -10,10 +9,11 @@ from .api import (
     OffloadPolicy,
     ShardPlacementResult,
 )
+from .bucket.quant import BlockQuantization
 from .fully_shard import fully_shard
 from .optim import clip_grad_norm_
+from .params.state_dict import StateDictError
 from .planning import plan
-from .quant import BlockQuantization
 
 __all__ = [
     "BlockQuantization",

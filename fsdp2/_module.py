@@ -12,11 +12,11 @@ from typing import Any
 from torch import nn
 
 from . import _classes
-from ._group import ParamGroup, ShardState, TrainingState
 from ._knobs import CommKnobs, check_bool
-from ._state import FSDPState
-from ._state_dict import validate_state_dict
 from ._validate import reshard_after_forward_value
+from .params.state_dict import validate_state_dict
+from .runtime.group import ParamGroup, ShardState, TrainingState
+from .runtime.state import FSDPState
 
 
 class FSDPModule(CommKnobs):

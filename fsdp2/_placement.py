@@ -18,9 +18,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ._mesh import SpmdDims, shard_size
 from ._validate import check_tp_param, validate_dp_mesh_dims, validate_mesh, validate_spmd_param
 from .api import DataParallelMeshDims
+from .comm.mesh import SpmdDims, shard_size
 
 
 @dataclass(frozen=True)

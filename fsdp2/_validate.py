@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._mesh import SpmdDims
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .comm.mesh import SpmdDims
 
 
 def validate_modules(module: Any) -> list[nn.Module]:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .quant.spec import BlockQuantization, as_quantization
+from .bucket.quant.spec import BlockQuantization, as_quantization
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

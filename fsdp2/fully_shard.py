@@ -17,14 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ._group import ParamGroup, ShardState
-from ._mesh import MeshInfo, SpmdDims, mesh_device
 from ._module import FSDPModule, fsdp_class
-from ._param import FSDPParam, sharded_owner, unsharded_owner
 from ._placement import MeshTarget, resolve_placements
-from ._shared import SharedParam, find_under, shared_error
-from ._state import FSDPState
-from ._state_dict import register_state_dict_hooks
 from ._validate import (
     default_mesh,
     reshard_after_forward_value,
@@ -35,7 +29,13 @@ from ._validate import (
     validate_policies,
 )
 from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, ShardPlacementResult
+from .comm.mesh import MeshInfo, SpmdDims, mesh_device
 from .optim import local_step
+from .params.param import FSDPParam, sharded_owner, unsharded_owner
+from .params.shared import SharedParam, find_under, shared_error
+from .params.state_dict import register_state_dict_hooks
+from .runtime.group import ParamGroup, ShardState
+from .runtime.state import FSDPState
 
 # id(original parameter) -> (weak refs to it and to the FSDPParam that replaced it): an
 # optimizer still holding one was created too early (checked at optimizer.step()).

@@ -43,8 +43,8 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from ._group import ParamGroup
 from ._module import groups_under
+from .runtime.group import ParamGroup
 
 __all__ = ["PipelineStage", "adapt_stage"]
 

@@ -72,11 +72,11 @@ def in_place_worker(fn: Any, rank: int, world: int, *args: Any) -> Any:
 def force_in_place(gather: bool = True) -> None:
     """In this process, every bucket built from now on reduces in place, and with
     ``gather`` also gathers in place (on any number of ranks)."""
-    import fsdp2._in_place
+    import fsdp2.bucket.in_place
 
-    fsdp2._in_place.IN_PLACE_MIN_BYTES = 0
-    fsdp2._in_place.IN_PLACE_MIN_WORLD = 2
-    fsdp2._in_place.GATHER_IN_PLACE = gather
+    fsdp2.bucket.in_place.IN_PLACE_MIN_BYTES = 0
+    fsdp2.bucket.in_place.IN_PLACE_MIN_WORLD = 2
+    fsdp2.bucket.in_place.GATHER_IN_PLACE = gather
 
 
 def batch(step: int, global_batch: int, seq: int = 5, vocab: int = 11) -> tuple[torch.Tensor, torch.Tensor]:

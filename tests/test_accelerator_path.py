@@ -31,7 +31,7 @@ def accelerator_path() -> None:
 
     import torch.distributed as dist
 
-    import fsdp2._mesh as mesh_module
+    import fsdp2.comm.mesh as mesh_module
 
     if getattr(mesh_module.MeshInfo.from_mesh, "accelerator_path", False):
         return

@@ -18,7 +18,7 @@ from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import ToyModel, batch, full_params, in_place_worker, loss_fn
 
 import fsdp2
-from fsdp2._group import ShardState, TrainingState
+from fsdp2.runtime.group import ShardState, TrainingState
 
 
 def _groups(model: nn.Module) -> list:

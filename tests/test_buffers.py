@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp2._buffers import BufferPool
+from fsdp2.comm.buffers import BufferPool
 
 CPU = torch.device("cpu")
 

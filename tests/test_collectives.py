@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from fsdp2._collectives import reduce_scatter_flat, wait_pending
+from fsdp2.comm.collectives import reduce_scatter_flat, wait_pending
 
 N = 37  # per-rank columns; the last 5 are written alike on every row (flags, scalars)
 
@@ -40,7 +40,7 @@ def test_all_to_all_reduce_sums_in_rank_order_and_agrees_across_ranks() -> None:
 def _older_names_worker(rank: int, world: int) -> dict:
     """Torch before 2.13 names the flat collectives ``_allgather_base``,
     ``_reduce_scatter_base`` and ``alltoall_base``; fsdp2 calls those there."""
-    import fsdp2._collectives as c
+    import fsdp2.comm.collectives as c
 
     c._ALL_GATHER_SINGLE, c._REDUCE_SCATTER_SINGLE, c._ALL_TO_ALL_SINGLE = (
         "_allgather_base", "_reduce_scatter_base", "alltoall_base"

@@ -2,7 +2,7 @@
 
 On an accelerator mesh the shards (so gradients and optimizer state) live on the host
 and each gather and reduce runs on the device, with a copy each way
-(``fsdp2._offload.HostOffload``). Here the ranks make every ``CPUOffloadPolicy`` build
+(``fsdp2.bucket.offload.HostOffload``). Here the ranks make every ``CPUOffloadPolicy`` build
 that offload with the CPU as both host and "device" (a test concern: on a CPU mesh the
 policy costs nothing and users have no knob for this) and take the accelerator's
 collectives (``test_accelerator_path``), and then:
@@ -69,10 +69,10 @@ def force_offload() -> Recorder:
 
 
 def _install() -> None:
-    import fsdp2._bucket as bucket_module
-    import fsdp2._gather as gather_module
-    import fsdp2._offload as offload_module
-    import fsdp2._reduce as reduce_module
+    import fsdp2.bucket.bucket as bucket_module
+    import fsdp2.bucket.gather as gather_module
+    import fsdp2.bucket.offload as offload_module
+    import fsdp2.bucket.reduce as reduce_module
 
     cls = offload_module.HostOffload
 
@@ -291,7 +291,7 @@ dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from types import SimpleNamespace
-from fsdp2._param import FSDPParam, make_dtensor, spec_where_it_is
+from fsdp2.params.param import FSDPParam, make_dtensor, spec_where_it_is
 from fsdp2.optim._swap import _like_param
 
 mesh = DeviceMesh("cuda", torch.arange(4), _init_backend=False)  # no CUDA needed to describe it

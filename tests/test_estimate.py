@@ -60,7 +60,7 @@ def _pair(name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 # Expert parallel: the tokens a rank's experts receive depend on every rank's routing,
-# which the estimate takes to be this rank's own (``fsdp2._symmetric``); on this small
+# which the estimate takes to be this rank's own (``fsdp2.memory.symmetric``); on this small
 # model they are ~70% of the peak, so the estimate lands within 10% (everything else equal).
 TOLERANCE = {"moe": 0.10}
 

@@ -16,7 +16,7 @@ from _dist import run_ranks
 from _models import ToyModel, batch, force_in_place, loss_fn
 
 import fsdp2
-import fsdp2._in_place
+import fsdp2.bucket.in_place
 
 STEPS = 3
 
@@ -25,7 +25,7 @@ def _train(
     rank: int, world: int, mode: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
 ) -> dict:
     if mode == "pooled":
-        fsdp2._in_place.IN_PLACE_MIN_BYTES = 1 << 62
+        fsdp2.bucket.in_place.IN_PLACE_MIN_BYTES = 1 << 62
     else:  # "in_place", or "reduce_in_place": pooled all-gather, reduce in the storage
         force_in_place(gather=mode == "in_place")
     torch.manual_seed(0)
@@ -129,7 +129,7 @@ def test_three_ranks_uneven_rows_in_place() -> None:
 
 def _overlap_worker(rank: int, world: int, chain: bool) -> list[int]:
     """After each block's pre_backward: how many other blocks hold their storage."""
-    import fsdp2._group as group_mod
+    import fsdp2.runtime.group as group_mod
 
     force_in_place()
     group_mod.PREFETCH_BEHIND_REDUCE = chain

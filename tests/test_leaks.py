@@ -60,7 +60,7 @@ def _build_teardown(rank: int, world: int) -> dict:
     import importlib
 
     fs = importlib.import_module("fsdp2.fully_shard")  # the module, not the function
-    from fsdp2._param import _SHARDED_OWNER
+    from fsdp2.params.param import _SHARDED_OWNER
 
     counts = []
     for i in range(12):

@@ -22,7 +22,7 @@ from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
 from fsdp2.optim import _plan, local_step
 from fsdp2.optim import local_step_stats
-from fsdp2._param import sharded_owner as _managed_by
+from fsdp2.params.param import sharded_owner as _managed_by
 
 STEPS = 4
 PER_RANK_BATCH = 2

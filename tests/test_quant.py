@@ -28,8 +28,8 @@ from _dist import cached_outcome, run_ranks, run_scenarios
 from torch import nn
 
 import fsdp2
-from fsdp2.quant.blockwise import dequantize_into, quantize_rows
-from fsdp2.quant.spec import BlockQuantization, RowLayout
+from fsdp2.bucket.quant.blockwise import dequantize_into, quantize_rows
+from fsdp2.bucket.quant.spec import BlockQuantization, RowLayout
 
 QMAX = {"int8": 127.0, "fp8": 448.0}
 TINY = np.float32(np.finfo(np.float32).tiny)

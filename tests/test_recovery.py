@@ -14,7 +14,7 @@ from _dist import run_ranks
 from _models import in_place_worker
 
 import fsdp2
-from fsdp2._group import ShardState, TrainingState
+from fsdp2.runtime.group import ShardState, TrainingState
 
 
 class FailInBackward(torch.autograd.Function):

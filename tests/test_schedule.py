@@ -13,7 +13,7 @@ from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import ToyModel, batch, in_place_worker, loss_fn
 
 import fsdp2
-from fsdp2._group import ShardState
+from fsdp2.runtime.group import ShardState
 
 N_BLOCKS = 3
 

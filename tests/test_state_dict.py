@@ -93,7 +93,7 @@ def test_state_dict_roundtrip_full_and_sharded() -> None:
 
 
 def _bad_load_worker(rank: int, world: int) -> dict:
-    from fsdp2._state_dict import StateDictError
+    from fsdp2.params.state_dict import StateDictError
 
     torch.manual_seed(0)
     model = _shard(ToyModel())

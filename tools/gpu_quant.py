@@ -4,7 +4,7 @@
     python tools/gpu_quant.py --cpu      # the same on the CPU, small (the test suite's run)
     python tools/gpu_check.py --quant    # the same, from the GPU check
 
-* throughput: ``fsdp2.quant`` quantize and dequantize of a float32 / bf16 row of 64M
+* throughput: ``fsdp2.bucket.quant`` quantize and dequantize of a float32 / bf16 row of 64M
   values (int8 and float8 e4m3, blocks of 128), in GB/s of the full-precision values.
 * step cost: the GPU check's model (``tools/gpu_check.py``'s ``ARGS``) trained by fsdp2 on
   one device as one rank of 2 on the fake process group (collectives cost nothing, so
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tools")]
 
-from fsdp2.quant.spec import BlockQuantization, RowLayout  # noqa: E402
+from fsdp2.bucket.quant.spec import BlockQuantization, RowLayout  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -60,7 +60,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def parity(device: torch.device) -> tuple[list[str], bool]:
     """The fused kernels against the torch-op reference, bit for bit: quantize (read back by
     the reference), dequantize rank-major and into regions, the rank-ordered sum."""
-    from fsdp2.quant import blockwise, fused
+    from fsdp2.bucket.quant import blockwise, fused
 
     rows_out = ["| fused vs reference | quantize | dequantize | into regions | sum |", "| --- | --- | --- | --- | --- |"]
     probe = torch.empty(0, device=device)
@@ -111,7 +111,7 @@ def parity(device: torch.device) -> tuple[list[str], bool]:
 
 
 def _paths(device: torch.device) -> list[str]:
-    from fsdp2.quant import fused
+    from fsdp2.bucket.quant import fused
 
     return ["reference", "fused"] if fused.usable(torch.empty(0, device=device), BlockQuantization("int8")) else ["reference"]
 
@@ -121,7 +121,7 @@ def _use(path: str) -> None:
 
 
 def throughput(device: torch.device, numel: int, repeat: int) -> list[str]:
-    from fsdp2.quant.codec import BlockCodec
+    from fsdp2.bucket.quant.codec import BlockCodec
 
     rows = ["| kernel | path | dtype in | quantized | GB/s (full-precision bytes) |", "| --- | --- | --- | --- | ---: |"]
     for path in _paths(device):

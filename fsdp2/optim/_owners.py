@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._collectives import traced
-from .._mesh import collective_device
+from ..comm.collectives import traced
+from ..comm.mesh import collective_device
 from ._pieces import Piece, block_indices, members_in_group_order, sharded_dims
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._rank import this_rank
+from ..comm.rank import this_rank
 
 
 def chunk_indices(indices: torch.Tensor, n: int, rank: int) -> torch.Tensor:

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
-from .._collectives import traced
-from .._mesh import collective_device
+from ..comm.collectives import traced
+from ..comm.mesh import collective_device
 from ._pieces import sharded_group
 
 

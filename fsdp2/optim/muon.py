@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._param import sharded_owner
+from ..params.param import sharded_owner
 from ._owners import MatrixOwners
 
 

@@ -2,7 +2,7 @@
 
 The model is copied to the meta device (no data, no compute: a step of a 1B model takes
 about a second) and sharded by the plan over a meta mesh of the job's shape on torch's
-fake process group, as rank 0; ``fsdp2._memory.MemoryTracker`` counts the meta storages
+fake process group, as rank 0; ``fsdp2.memory.tracker.MemoryTracker`` counts the meta storages
 exactly as ``fsdp2.estimate`` counts real ones. The optimizer is the job's, stepped on
 stand-ins of the local shards, so its state is what the job's rank holds.
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .._memory import MemoryTracker
+from ..memory.tracker import MemoryTracker
 from .groups import local
 from .plan import Estimate, Plan
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._memory import CATEGORIES
+from ..memory.tracker import CATEGORIES
 from .dryrun import DryRun, DryRunError
 from .groups import Group
 from .plan import Estimate, Plan

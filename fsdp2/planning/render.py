@@ -54,7 +54,7 @@ def render_table(plan: Any) -> str:
 
 
 def _estimate_lines(plan: Any) -> list[str]:
-    from .._memory import CATEGORIES
+    from ..memory.tracker import CATEGORIES
 
     e = plan.estimate
     assert e is not None, "no estimate to print"

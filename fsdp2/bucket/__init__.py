@@ -1,0 +1,1 @@
+"""One bucket, a group's parameters of one dtype in flat buffers: their all-gather, gradient reduce and commit, and the strategies a bucket picks once (gloo in place, host offload, subclass extensions, quantization)."""

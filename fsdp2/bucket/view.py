@@ -1,0 +1,56 @@
+"""What a bucket's helpers read of it.
+
+``_bucket.FlatBucket`` owns its all-gather (``_gather.BucketGather``), its reduce
+(``_reduce.BucketReduce``), its commit (``_commit.GradCommit``), its gloo in-place
+strategy (``_in_place.InPlace``) and its subclass gather (``_extension.ExtensionGather``),
+and hands itself to each. They read it
+through this protocol, one layer down, rather than importing the bucket: the storage
+layer then reads bottom-up (see CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from ..comm.mesh import MeshInfo
+from ..params.param import FSDPParam
+from .offload import HostOffload
+
+
+class BucketView(Protocol):
+    params: list[FSDPParam]  # the bucket's parameters, in flat order
+    sharded_params: list[FSDPParam]  # those that shard (the rest: replicated scalars)
+    scalars: list[FSDPParam]
+    comm: MeshInfo
+    name: str  # for messages
+    dtype: torch.dtype  # the parameters'
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    device: torch.device  # where gathers and reduces run
+    offload: HostOffload | None
+    shard_numel: int  # S: the sum of the padded shard sizes
+    blocks_are_the_values: bool  # every parameter shards on dim 0
+    extension: bool  # subclasses with an all-gather extension
+    sharded_flat: torch.Tensor
+    unsharded_flat: torch.Tensor
+    unsharded_write: torch.Tensor  # ``unsharded_flat.data``
+    regions: list[torch.Tensor]  # each sharded parameter's W x shard_numel region
+    write_views: list[torch.Tensor]
+    reduce: Any  # its ``BucketReduce``
+    commit: Any  # its ``GradCommit``
+    in_place: Any  # its ``InPlace`` strategy, or None
+    storage_lent: bool  # ``in_place`` holds the unsharded storage for a reduce
+    gloo: Any  # its ``GlooStrategy``, or None off gloo
+    gather_is_identity: bool  # one rank, one dtype: the shards are the unsharded values
+    extension_gather: Any  # its ``ExtensionGather``, or None
+    custom_all_gather: Any  # ``set_custom_all_gather``'s collective, or None
+    mp_policy: Any  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
+    riders: list[BucketView]  # buckets whose rows its extension gather carries
+    gather: Any  # its ``BucketGather``
+    quant: Any  # its ``quant.spec.QuantizedComm``: what the policy asks to quantize
+
+    def comm_numel(self) -> int: ...
+    def alloc_unsharded(self) -> None: ...
+    def free_unsharded(self) -> None: ...

@@ -1,0 +1,217 @@
+"""Live tensor bytes on this rank, their peak, and what they were at the peak.
+
+``MemoryTracker`` is a dispatch mode: every tensor an op returns has its storage
+counted once, from the op that made it until the storage dies (a weak reference to the
+storage object, which torch keeps alive as long as the storage). fsdp2 frees and
+re-allocates the gathered parameters by resizing their storage in place (no op sees
+that), so the resident gathered buffers are re-read after every op. The count is what
+the allocator was asked for, on every device together; in a real run on a GPU the
+CUDA caching allocator's allocated and reserved bytes at the peak are noted beside it
+(``peak_device``: the allocator's overhead).
+
+At the peak the live storages are split by what holds them, found by identity from the
+models and optimizers seen so far (``note_module``, ``note_optimizer``):
+
+* sharded parameters: the parameters' local shards (fsdp2's flat sharded buffers);
+* unsharded parameters: fsdp2's gathered buffers (and an integer reshard's kept rows);
+* gradients: ``.grad`` of the sharded and the gathered parameters, reduced gradients
+  not yet committed;
+* optimizer state: every tensor in an optimizer's ``state``;
+* communication buffers: fsdp2's pooled all-gather / reduce-scatter buffers;
+* activations: other storages made during a forward and still alive (what autograd
+  saved for backward, mostly);
+* other: the rest (temporaries of backward, the batch, buffers, RNG state).
+
+The peak bytes are exact; the split is taken whenever the live bytes rise 0.2% above
+the last split's (a split walks the models' tensors), so it describes a moment within
+0.2% of the peak and may sum to slightly less than it. Storages resized without an op
+other than fsdp2's gathered buffers (an all-gather extension's outputs) keep the size
+they had when last seen, and frees on another thread (gloo's, in a ``--measure`` run on
+3+ ranks) are counted without a lock.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+CATEGORIES = (
+    "sharded parameters", "unsharded parameters", "gradients", "optimizer state",
+    "communication buffers", "activations", "other",
+)
+SPLIT_EVERY = 1.002  # a new split when the live bytes pass the last split's by 0.2%
+
+
+def _key(t: torch.Tensor, meta: bool = False) -> tuple[int, torch.UntypedStorage] | None:
+    """(an id of ``t``'s storage while it lives, the storage); a DTensor's is its local
+    tensor's; None for subclasses without storage, and for meta tensors unless ``meta``."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if t.device.type == "meta" and not meta:
+        return None
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage._cdata, storage
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Counts live tensor bytes; ``phase()`` and ``where()`` (callables) say where the
+    step is, for the peak's report."""
+
+    def __init__(self, phase: Callable[[], str], where: Callable[[], str], meta: bool = False,
+                 split_every: float = SPLIT_EVERY) -> None:
+        super().__init__()
+        self.phase, self.where = phase, where
+        self.meta = meta  # count meta tensors too (the planner's dry run has no others)
+        self.split_every = split_every
+        self.live: dict[int, tuple[int, str]] = {}  # storage key -> (bytes, phase made in)
+        self._refs: dict[int, weakref.ref] = {}
+        self.now = 0
+        self.peak = 0
+        self.ops = 0  # ops seen
+        self.peak_split: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.peak_at = ("", "")  # (phase, module) at the peak
+        self.peak_device: dict[str, int] = {}  # the CUDA caching allocator's view at the peak
+        self._split_at = 0  # live bytes of the last split
+        self.modules: weakref.WeakSet = weakref.WeakSet()
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._gathered: list[Any] = []  # fsdp2 buckets, for their resized storage
+        self._groups: list[Any] = []  # the fsdp2 groups under the noted modules
+
+    # ------------------------------------------------------------------ counting
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        phase = None
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                found = _key(t, self.meta)
+                if found is not None:
+                    key, storage = found
+                    if key not in self.live or self.live[key][0] != storage.nbytes():
+                        phase = phase or self.phase()
+                        self._count(key, storage, phase)
+        self._recheck_gathered()
+        if self.now > self.peak:
+            self._new_peak()
+        return out
+
+    def _count(self, key: int, storage: torch.UntypedStorage, phase: str) -> None:
+        nbytes = storage.nbytes()
+        old = self.live.get(key)
+        if old is None:
+            self._refs[key] = weakref.ref(storage, lambda _, key=key: self._died(key))
+            self.live[key] = (nbytes, phase)
+            self.now += nbytes
+        else:
+            self.live[key] = (nbytes, old[1])
+            self.now += nbytes - old[0]
+
+    def _died(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        self._refs.pop(key, None)
+        if entry is not None:
+            self.now -= entry[0]
+
+    def _recheck_gathered(self) -> None:
+        """fsdp2 resizes its gathered buffers' storage without an op: re-read them."""
+        for b in self._gathered:
+            storage = b.unsharded_flat.untyped_storage()
+            key = storage._cdata
+            entry = self.live.get(key)
+            if entry is not None and entry[0] != storage.nbytes():
+                self._count(key, storage, entry[1])
+
+    def _new_peak(self) -> None:
+        self.peak = self.now
+        if self.now >= self._split_at * self.split_every or self.peak_at[0] != self.phase():
+            self._split_at = self.now
+            self._note_peak()
+
+    def _note_peak(self) -> None:
+        self.peak_split = self.split()
+        self.peak_at = (self.phase(), self.where())
+        if torch.cuda.is_initialized():  # what the allocator holds beyond live tensors
+            self.peak_device = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+
+    def reset_peak(self) -> None:
+        """Start a new peak (a new step) from what is live now."""
+        self.peak = self._split_at = self.now
+        self._note_peak()
+
+    # ------------------------------------------------------------------- models
+    def note_module(self, module: torch.nn.Module) -> None:
+        """A root module whose parameters (and fsdp2 groups under it) to classify."""
+        if module in self.modules:
+            return
+        self.modules.add(module)
+        # Found once per module noted (fsdp2.estimate notes each module fully_shard gets).
+        self._groups = list({id(g): g for g in (m._fsdp2_state.group for m in self._fsdp_modules())}.values())
+        self._gathered = [b for g in self._groups for b in g.buckets]
+
+    def note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizers.add(optimizer)
+
+    def _fsdp_modules(self) -> list[Any]:
+        from .._module import FSDPModule
+
+        found = {id(m): m for root in self.modules for m in root.modules() if isinstance(m, FSDPModule)}
+        return list(found.values())
+
+    # ---------------------------------------------------------------- the split
+    def split(self) -> dict[str, int]:
+        """Live bytes by category (see the module docstring)."""
+        owner: dict[int, str] = {}
+
+        def claim(t: Any, category: str) -> None:
+            if isinstance(t, torch.Tensor):
+                found = _key(t, self.meta)
+                if found is not None:
+                    owner.setdefault(found[0], category)
+
+        for g in self._groups:
+            _claim_group(g, claim)
+        for root in self.modules:
+            for p in root.parameters():
+                claim(p, "sharded parameters")
+                claim(p.grad, "gradients")
+        for opt in self.optimizers:
+            for st in opt.state.values():
+                for v in st.values():
+                    claim(v, "optimizer state")
+        from ..comm.rank import this_rank
+
+        for pool in this_rank()._pools.values():
+            for raw in [r for free in pool._free.values() for r in free] + [r for r, _ in pool._in_use.values()]:
+                claim(raw, "communication buffers")
+        out = dict.fromkeys(CATEGORIES, 0)
+        for key, (nbytes, phase) in list(self.live.items()):  # a storage may die meanwhile
+            category = owner.get(key) or ("activations" if phase == "forward" else "other")
+            out[category] += nbytes
+        return out
+
+
+def _claim_group(group: Any, claim: Callable[[Any, str], None]) -> None:
+    """One fsdp2 group's tensors, by what they hold."""
+    for b in group.buckets:
+        claim(b.sharded_flat, "sharded parameters")
+        for p in b.params:
+            claim(p.sharded, "sharded parameters")
+            if p.unsharded is not None:
+                claim(p.unsharded.grad, "gradients")
+        claim(b.unsharded_flat, "unsharded parameters")
+        claim(b.gather.partial, "unsharded parameters")
+        claim(b.gather.input, "communication buffers")
+        claim(b.gather.buf, "communication buffers")
+        claim(b.reduce._unreplicated, "gradients")
+        for staged in b.reduce.ready:
+            claim(staged[1], "gradients")
+            claim(staged[3], "gradients")

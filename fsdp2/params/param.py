@@ -1,0 +1,420 @@
+"""One managed parameter: its sharded DTensor, its unsharded ``nn.Parameter``, and
+where their data lives.
+
+An ``FSDPParam`` owns no storage. Its shard is a view into its bucket's sharded flat
+buffer (so the all-gather needs no copy-in) and its unsharded parameter is a leaf
+``nn.Parameter`` over a view of the bucket's unsharded flat buffer: one object for the
+parameter's whole life, so every autograd graph built on it (a forward, an activation
+checkpoint's recompute, a direct call of an inner module) accumulates into its
+``.grad``. Its owner modules register whichever of the two matches the group's shard
+state. Which slices of which dim are this rank's is its ``ShardLayout``'s business;
+0-dim parameters are replicated (``Replicate()``) and their gradients summed over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..comm.mesh import MeshInfo, SpmdDims
+from .layout import ShardLayout
+from .subclass import KeepObject, SubclassWrapper, has_extension, late_wrapper
+
+# id(unsharded leaf) -> its FSDPParam (weakly), to tell an optimizer that was handed the
+# unsharded parameters (``unsharded_owner``).
+# process-wide: the global optimizer hooks see only tensors; an entry is weak and is
+# trusted only if its FSDPParam still holds that very tensor, so models never mix.
+_LEAF_OWNER: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
+
+
+def unsharded_owner(t: torch.Tensor) -> FSDPParam | None:
+    """The ``FSDPParam`` whose unsharded leaf ``t`` is, if any."""
+    fp = _LEAF_OWNER.get(id(t))
+    return fp if fp is not None and fp.unsharded is t else None
+
+
+# id(sharded parameter) -> its FSDPParam: which parameters fsdp2 manages. Weak on the
+# FSDPParam, not on the tensor: a weakref on a parameter makes ``module._apply`` unable
+# to swap it.
+# process-wide: as ``_LEAF_OWNER`` (the optimizer hooks and clip see only tensors).
+_SHARDED_OWNER: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
+
+
+def sharded_owner(t: torch.Tensor) -> FSDPParam | None:
+    """The ``FSDPParam`` whose sharded parameter ``t`` is, if any."""
+    fp = _SHARDED_OWNER.get(id(t))
+    return fp if fp is not None and fp.sharded is t else None
+
+
+class FSDPParam:
+    """One parameter: where its shard sits (``layout``), its sharded ``nn.Parameter`` and
+    its unsharded leaf.
+
+    A tensor-parallel parameter (already a DTensor on a TP mesh) is sharded as its local
+    tensor: its sharded DTensor lives on the data-parallel and TP mesh dimensions
+    together, and its unsharded leaf is the TP DTensor again."""
+
+    def __init__(
+        self, fqn: str, owners: list[tuple[nn.Module, str]], param: torch.Tensor, info: MeshInfo, dim: int
+    ) -> None:
+        self.fqn = fqn
+        self.comm = info  # the mesh it is sharded over (its bucket's)
+        self.owners = owners  # every (module, attribute) registering this parameter (tied weights)
+        self.shape = param.shape  # the global shape, as the DTensors report it
+        self.stride = _contiguous_stride(tuple(param.shape))
+        self.dtype = param.dtype
+        self.tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
+        local_shape = param.shape
+        local = param
+        if isinstance(param, DTensor):
+            self.tp = (param.device_mesh, tuple(param.placements))
+            local_shape = param._local_tensor.shape
+            local = param._local_tensor
+        # A subclass that customizes its all-gather (``_extension``) keeps its class: as a
+        # view of the bucket's flat buffer rebuilt around it (``wrapper``, one inner
+        # tensor), or else as a shard of its own made through its own ops (``dispatched``).
+        self.extension = has_extension(local)
+        self.wrapper: SubclassWrapper | KeepObject | None = None
+        if self.extension:
+            _check_extension_param(fqn, param, dim)
+            self.wrapper = SubclassWrapper.of(local)
+        self.dispatched = self.extension and self.wrapper is None
+        self.layout = ShardLayout(local_shape, dim, info.shard_size, info.shard_rank)
+        # Read on the hot path (deposit, reduce, commit): plain attributes.
+        self.is_replicated = self.layout.is_replicated
+        self.shard_numel = self.layout.shard_numel
+        self.local_shape = self.layout.local_shape
+        fsdp: Placement = Replicate() if self.layout.is_replicated else Shard(dim)
+        # Mesh dims of the unsharded DTensor whose gradient placements are left to the
+        # reduce (SPMD meshes: the data-parallel dims); the rest are redistributed to tp's.
+        self.dp_dims: frozenset[int] = frozenset()
+        if info.spmd is not None:
+            assert self.tp is not None, "fsdp2 internal error: SPMD parameters are DTensors"
+            self.mesh, self.placements = _spmd_placements(info.spmd, self.tp[1], fsdp, dim)
+            self.dp_dims = info.spmd.dp
+        elif self.tp is None:
+            self.mesh = info.mesh
+            self.placements: tuple[Placement, ...] = info.dp_placements(fsdp)
+        else:
+            tp_mesh, tp_placements = self.tp
+            self.mesh = _concatenate(info.mesh, tp_mesh, fqn)
+            # TP shards this dim first; the data-parallel shards of its local tensor then
+            # interleave with the TP shards (``_StridedShard``), as torch describes them.
+            split = math.prod(
+                tp_mesh.size(i) for i, pl in enumerate(tp_placements) if isinstance(pl, Shard) and pl.dim == dim
+            )
+            if split > 1 and isinstance(fsdp, Shard):
+                fsdp = _StridedShard(dim, split_factor=split)
+            self.placements = info.dp_placements(fsdp) + tp_placements
+        self.offset = -1  # element offset of this shard in the bucket's per-rank section
+        self.rs_index = -1  # index among the bucket's reduced parameters; -1 when frozen
+        self.bucket_index = -1  # index in the bucket's parameter list
+        self.bucket: Any = None  # the FlatBucket holding this parameter
+        self.group: Any = lambda: None  # weak reference to the ParamGroup holding it
+        self.sharded: nn.Parameter | None = None
+        self.unsharded: nn.Parameter | None = None  # the unsharded leaf (set by the bucket)
+        self._grad_acc: Any = None  # its AccumulateGrad node, held (``_settle_holders``)
+        self._quiet_holders = (-1, 0)
+        self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
+        self._tp_pending: DTensor | None = None  # TP gradient kept Partial while accumulating
+
+    def gained_extension(self) -> tuple[bool, Any]:
+        """At lazy init: whether its local tensor gained all-gather hooks since
+        ``fully_shard``, and the wrapper to gather it through (``late_wrapper``). Only
+        checks (raising on what cannot be gathered): ``take_extension`` moves it, once
+        every parameter of the group passed."""
+        if self.extension or self.sharded is None:
+            return False, None
+        local = self.sharded._local_tensor  # type: ignore[attr-defined]
+        if not has_extension(local):
+            return False, None
+        _check_extension_param(self.fqn, self.sharded if self.tp is not None else local, self.layout.dim)
+        return True, late_wrapper(self.fqn, local)
+
+    def take_extension(self, wrapper: Any) -> None:
+        """From now on it gathers through its hooks; the caller re-buckets it."""
+        self.extension, self.wrapper = True, wrapper
+        self.dispatched = wrapper is None
+
+    def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the parameter's value ``full``: its own local tensor (a TP
+        DTensor's local tensor), or the global value (split for TP first, locally)."""
+        if self.wrapper is not None:
+            full = self.wrapper.inner(full)
+        if self.tp is not None:
+            if isinstance(full, DTensor):
+                full = full.to_local()
+            elif full.shape == self.shape:
+                full = distribute_tensor(full, self.tp[0], self.tp[1], src_data_rank=None).to_local()
+        return self.layout.local_chunk(full)
+
+    def dispatch_shard(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's shard of ``value`` (the full parameter, or already this rank's
+        shard), a tensor of the subclass's own class and storage on ``device``, made by
+        its own ops (``narrow``, ``new_zeros``, ``copy_``) as torch makes it: for
+        subclasses ``wrapper`` cannot rebuild."""
+        rows = value if tuple(value.shape) == self.local_shape else self.layout.local_chunk(value)
+        shard = rows.new_zeros(self.local_shape)
+        if rows.device.type != "meta":
+            shard.copy_(rows)
+        return shard if shard.device == device else shard.to(device)
+
+    def new_sharded(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """The sharded ``nn.Parameter`` over ``local`` (a view of the bucket's flat buffer),
+        as the subclass the parameter was when it has an all-gather extension."""
+        if self.wrapper is not None:
+            local = self.wrapper.wrap(local)
+        param = nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
+        if isinstance(self.wrapper, KeepObject):
+            param._local_tensor = local  # nn.Parameter detached it: hooks are bound to this object
+        return param
+
+    def to_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap a local shard of this parameter as a DTensor of the full shape, where the
+        shard is (an offloaded one stays on the host)."""
+        return make_dtensor(local, spec_where_it_is(local, self.mesh, self.placements, self.shape, self.stride))
+
+    def grad_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Like ``to_dtensor`` for a gradient, reusing the parameter's DTensor spec: this
+        runs for every parameter every step, and building a spec costs ~80 us."""
+        spec = getattr(self.sharded, "_spec", None)
+        if spec is None or spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
+            return self.to_dtensor(local)
+        return DTensor(local, spec, requires_grad=False)
+
+    def optimizer_alias(self, local: torch.Tensor) -> torch.Tensor:
+        """A plain tensor sharing ``local``'s data, stepped by the optimizer in its place
+        (``fsdp2.optim.local_step``); made once per local shard."""
+        if self._alias is None or self._alias[0] is not local:
+            self._alias = (local, local.detach())
+        return self._alias[1]
+
+    def set_sharded(self, param: nn.Parameter) -> None:
+        """``param`` is this parameter's sharded ``nn.Parameter`` from now on."""
+        self.sharded = param
+        _SHARDED_OWNER[id(param)] = self
+
+    def reassigned(self) -> torch.Tensor | None:
+        """What the first owner module registers instead of our sharded parameter, if a
+        user assigned another one (``module.weight = nn.Parameter(...)``) since."""
+        module, name = self.owners[0]
+        current = module._parameters.get(name)
+        return None if current is self.sharded or current is self.unsharded else current
+
+    def register(self, value: torch.Tensor) -> None:
+        """Make ``value`` what every owner module sees under this parameter's name."""
+        for module, name in self.owners:
+            module._parameters[name] = value  # type: ignore[assignment]
+
+    def register_sharded(self) -> None:
+        assert self.sharded is not None, "fsdp2 internal error: parameter not sharded yet"
+        self.register(self.sharded)
+
+    def register_unsharded(self) -> None:
+        """Show the unsharded leaf, trainable exactly when the sharded parameter is."""
+        leaf, sharded = self.unsharded, self.sharded
+        assert leaf is not None and sharded is not None, "fsdp2 internal error: no unsharded parameter"
+        if leaf.requires_grad != sharded.requires_grad:
+            leaf.requires_grad_(sharded.requires_grad)
+            self._settle_holders()
+        self.register(leaf)
+
+    def set_unsharded(self, view: torch.Tensor) -> None:
+        """A new unsharded leaf over ``view`` (at build time and after ``rebind``)."""
+        requires_grad = self.sharded.requires_grad if self.sharded is not None else False
+        if self.tp is not None:
+            view = DTensor.from_local(
+                view, self.tp[0], self.tp[1], run_check=False, shape=self.shape, stride=self.stride
+            )
+        self.unsharded = nn.Parameter(view, requires_grad=requires_grad)
+        _LEAF_OWNER[id(self.unsharded)] = self
+        self._settle_holders()
+
+    def _settle_holders(self) -> None:
+        """Hold the leaf's AccumulateGrad node (so every graph uses this one, and its
+        references are a constant) and note how many references the leaf has while
+        nothing but fsdp2 holds it, before any module registers it."""
+        leaf = self.unsharded
+        assert leaf is not None
+        self._grad_acc = None
+        if leaf.requires_grad:
+            with torch.enable_grad():  # may run inside backward, where grad mode is off
+                self._grad_acc = leaf.view_as(leaf).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        del leaf  # counted by ``_holders`` otherwise
+        self._quiet_holders = self._holders()
+
+    def _holders(self) -> tuple[int, int]:
+        """(C++ references to the leaf's tensor, Python references to the leaf). A tensor
+        autograd saved adds to the first, an attribute a custom Function keeps on its
+        ``ctx`` to the second."""
+        leaf = self.unsharded
+        use_count = getattr(leaf, "_use_count", None)
+        return (use_count() if use_count is not None else -1), sys.getrefcount(leaf)
+
+    def is_unheld(self) -> bool:
+        """Nothing but fsdp2 and the owner modules holds the unsharded leaf: no tensor
+        autograd saved, no autograd context, no other Python reference; so nothing can
+        read it through the leaf itself (views of its storage are counted apart, by the
+        bucket). Conservative where this build of torch cannot tell."""
+        impl, py = self._holders()
+        quiet_impl, quiet_py = self._quiet_holders
+        return quiet_impl >= 0 and impl <= quiet_impl and py <= quiet_py + len(self.owners)
+
+    def take_unsharded_grad(self, defer_tp_in: torch.dtype | None = None) -> torch.Tensor | None:
+        """The gradient accumulated in the unsharded leaf (as a local tensor), which is
+        cleared. A tensor-parallel gradient still to be reduced over TP (``Partial``) is
+        redistributed first; with ``defer_tp_in`` (accumulating without synchronization)
+        it is instead kept in that dtype and added to the earlier ones (None then), so
+        the TP reduction runs once, at the step that synchronizes."""
+        leaf = self.unsharded
+        grad = None if leaf is None else leaf.grad
+        if grad is not None:
+            leaf.grad = None  # type: ignore[union-attr]
+        if grad is None and self._tp_pending is None:
+            return None
+        if self.tp is None:
+            return grad
+        if grad is None:
+            grad, self._tp_pending = self._tp_pending, None
+        assert isinstance(grad, DTensor), f"fsdp2 internal error: local gradient for TP parameter {self.fqn}"
+        # The data-parallel dims of an SPMD mesh stay as they are (a Partial there is
+        # what the reduce sums); the others go to the parameter's own placements.
+        target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, self.tp[1])))
+        if tuple(grad.placements) != target:
+            if defer_tp_in is not None:
+                grad = grad.to(defer_tp_in)
+                self._tp_pending = grad if self._tp_pending is None else self._tp_pending + grad
+                return None
+            if self._tp_pending is not None:
+                grad, self._tp_pending = self._tp_pending + grad, None
+            grad = grad.redistribute(self.tp[0], target)
+        return grad.to_local()
+
+    def discard_unsharded_grad(self) -> None:
+        """Drop the leaf's gradient and any deferred TP one, communicating nothing."""
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        self._tp_pending = None
+
+    @property
+    def has_unsharded_grad(self) -> bool:
+        return (self.unsharded is not None and self.unsharded.grad is not None) or self._tp_pending is not None
+
+
+def spec_where_it_is(
+    local: torch.Tensor, mesh: Any, placements: Any, shape: torch.Size, stride: tuple[int, ...]
+) -> Any:
+    """The DTensor spec of ``local`` as a shard of a ``shape`` tensor, for ``make_dtensor``.
+    Read off a meta stand-in: ``DTensor.from_local`` copies a tensor that is not on the
+    mesh's device type there (an offloaded host shard would land on the GPU)."""
+    stand_in = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device="meta")
+    return DTensor.from_local(stand_in, mesh, placements, run_check=False, shape=shape, stride=stride)._spec
+
+
+def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:
+    """``DTensor(local, spec)`` whose wrapper has storage offset 0.
+
+    In torch 2.13 a DTensor built over a view at a nonzero storage offset (our shards and
+    state are views into flat buffers) copies that offset into the wrapper, which then
+    reports a non-null ``data_ptr`` and ``torch.save`` / ``copy.deepcopy`` fail on its
+    storage ("invalid python storage"). The wrapper owns no data, so its offset is 0.
+    """
+    if local.storage_offset() == 0:
+        return DTensor(local, spec, requires_grad=requires_grad)
+    meta = spec.tensor_meta
+    out = torch.Tensor._make_wrapper_subclass(
+        DTensor,
+        meta.shape,
+        strides=meta.stride,
+        storage_offset=0,
+        dtype=local.dtype,
+        device=local.device,
+        layout=local.layout,
+        requires_grad=requires_grad,
+    )
+    out._spec = spec
+    out._local_tensor = local
+    return out
+
+
+def _check_extension_param(fqn: str, param: torch.Tensor, dim: int) -> None:
+    what = (
+        "a tensor-parallel DTensor" if isinstance(param, DTensor)
+        else f"sharded on dim {dim}" if dim != 0
+        else "0-dim" if param.dim() == 0
+        else None
+    )
+    if what is not None:
+        raise NotImplementedError(
+            f"parameter {fqn} customizes its all-gather (fsdp_pre_all_gather) and is {what}; "
+            "fsdp2 supports the all-gather extension on plain parameters sharded on dim 0"
+        )
+
+
+def _spmd_placements(
+    spmd: SpmdDims, placements: tuple[Placement, ...], fsdp: Placement, dim: int
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of a shard of a DTensor parameter on a full SPMD mesh.
+
+    Each data-parallel shard dim's ``Replicate()`` becomes ``Shard(dim)``, or
+    ``_StridedShard(dim, split_factor=k)`` when later mesh dims shard ``dim`` too (``k``
+    the product of their sizes): the local tensor was split by those first. Several
+    shard dims were flattened into one group: the shard then lives on the data-parallel
+    mesh (flattened, and ``(replicate, shard)`` under HSDP) in the first shard dim's place."""
+    mesh = spmd.mesh
+    out = list(placements)
+    for i in spmd.shard:
+        split = math.prod(
+            mesh.size(j) for j in range(i + 1, mesh.ndim) if isinstance(out[j], Shard) and out[j].dim == dim
+        )
+        out[i] = _StridedShard(dim, split_factor=split) if split > 1 and isinstance(fsdp, Shard) else fsdp
+    if len(spmd.shard) <= 1:  # one shard dim, or none (replicas only)
+        return mesh, tuple(out)
+    names = mesh.mesh_dim_names
+    assert names is not None
+    meshes: list[DeviceMesh] = []
+    spec: list[Placement] = []
+    for i in range(mesh.ndim):
+        if i == spmd.shard[0]:
+            meshes.append(spmd.dp_mesh)
+            spec.extend([Replicate(), out[i]] if spmd.replicate else [out[i]])
+        elif i not in spmd.dp:
+            meshes.append(mesh[names[i]])
+            spec.append(out[i])
+    return DeviceMesh._concatenate(meshes), tuple(spec)
+
+
+def _concatenate(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The mesh of the data-parallel dimensions followed by the TP ones: both must be
+    slices of one named mesh (``init_device_mesh(..., mesh_dim_names=...)``)."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is None or dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"parameter {fqn} is a DTensor on the mesh {tp_mesh}; fully_shard composes it with the "
+            f"data-parallel mesh {dp_mesh} only when both are named slices of one mesh: build "
+            "mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')), parallelize over mesh['tp'] "
+            "and pass mesh['dp'] to fully_shard"
+        )
+    try:
+        return concatenate([dp_mesh, tp_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"parameter {fqn} is a DTensor on {tp_mesh}, which does not combine with the data-parallel "
+            f"mesh {dp_mesh} ({e}); slice both from one mesh built with init_device_mesh"
+        ) from e
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))

@@ -1,0 +1,429 @@
+"""One ``fully_shard`` call's parameters: unshard, reshard, and the hooks' work.
+
+Visibility follows the shard state: while a group is unsharded (in forward, in
+backward, after an explicit ``unshard()``, or kept gathered after forward) its modules
+register the unsharded leaf ``nn.Parameter``s; once resharded, the sharded DTensors.
+Whatever computes with the leaves (the module's forward, an activation checkpoint's
+recompute outside fsdp2's hooks, a direct call of an inner module) accumulates into
+their ``.grad``; the group moves those gradients into its reduce, once.
+
+Lifecycle of a group in one training step:
+
+  Phase 1  pre_forward   all-gather (maybe already prefetched), prefetch the next
+                         group; the inputs pass through ``_PostBackward``.
+  Phase 2  post_forward  reshard per ``reshard_after_forward``, hook the outputs for
+                         pre_backward.
+  Phase 3  pre_backward  (first output gradient) all-gather again if resharded,
+                         prefetch the group that runs backward next.
+  Phase 4  post_backward (``_PostBackward.backward`` of its last pending forward
+                         call: every op of that call was created after the node, so
+                         autograd has run them all and accumulated the parameters'
+                         gradients) reshard, move the unsharded gradients into the
+                         reduce input and issue the reduce-scatter.
+  Phase 5  finalize      (root's end-of-backward callback) run Phase 4 for groups whose
+                         gradients came without a node (no input needing grad, a
+                         reentrant recompute, a direct call), wait for reduce-scatters,
+                         write ``.grad``.
+
+On one rank without a dtype change (``direct``) the leaves alias the shards: nothing is
+gathered or reduced, no node of ours enters the graph, and Phase 5 moves the leaves'
+gradients into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+
+from ..api import MixedPrecisionPolicy, OffloadPolicy
+from ..bucket.bucket import FlatBucket
+from ..comm.mesh import MeshInfo
+from ..params.param import FSDPParam
+from ..params.shared import SharedParam
+from .calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
+from .group_setup import (
+    ShardState,
+    TrainingState,
+    UnshardChecks,
+    adoptable_replacements,
+    build_buckets,
+    join_reduces,
+    rebucket,
+)
+from .tree import cast_floating
+
+
+class StepContext(Protocol):
+    """What a group asks of the step context its root made at lazy init
+    (``_state.RootContext``, one layer up: it is handed to the group, not imported)."""
+
+    root: ParamGroup
+    in_backward: bool
+    active_forwards: int
+
+    def record_forward(self, group: ParamGroup) -> None: ...
+    def forward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]: ...
+    def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]: ...
+    def on_backward_start(self) -> None: ...
+    def keeps_for_backward(self, group: ParamGroup) -> bool: ...
+    def free_unreferenced(self, current: ParamGroup) -> None: ...
+    def add_pending_reduce(self, group: ParamGroup, bucket: FlatBucket) -> None: ...
+    def make_room_for_reduce(self, group: ParamGroup) -> None: ...
+    def reduce_in_flight(self) -> torch.futures.Future | None: ...
+    def finish_reduces_of(self, group: ParamGroup) -> None: ...
+    def reset(self) -> None: ...
+
+
+# Backward prefetches of in-place buckets start behind the reduce in storage still in
+# flight (``RootContext.reduce_in_flight``); False lets both hold memory at once.
+PREFETCH_BEHIND_REDUCE = True
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call, bucketed by dtype."""
+
+    def __init__(
+        self,
+        params: list[FSDPParam],
+        originals: list[torch.Tensor],
+        modules: list[nn.Module],
+        comm: MeshInfo,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | int | None,
+        offload_policy: OffloadPolicy | None = None,
+    ) -> None:
+        self.params = params
+        for p in params:
+            p.group = weakref.ref(self)
+        self.modules = modules
+        self.comm = comm
+        self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
+        self.buckets = build_buckets(params, originals, comm, device, mp_policy, offload_policy)
+        self.set_name(type(modules[0]).__name__)
+        self.reshard_after_forward_arg: bool | int | None = None  # None: decided at lazy init
+        self.reshard_after_forward: bool | int = True
+        self.set_reshard_after_forward(reshard_after_forward)
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce over the replicas after the reduce-scatter
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.is_last_backward = True
+        self.forward_prefetch: list[ParamGroup] | None = None  # explicit, overrides implicit
+        self.backward_prefetch: list[ParamGroup] | None = None
+        self.training_state = TrainingState.IDLE
+        self.shard_state = ShardState.SHARDED
+        self.calls = BackwardCalls()
+        # Gathered by an explicit ``unshard()``: code may compute with the leaves before,
+        # between and after this group's forwards, so it stays gathered (and its reduce
+        # waits) until the end of the next backward or ``reshard()``.
+        self.held_by_user = False
+        self.in_pipeline_stage = False  # run by an ``fsdp2.pipelining`` stage
+        self.order_index = -1  # position in the root's recorded forward order
+        self.ctx: StepContext | None = None
+        self._forwarded: set[int] = set()  # modules of the group done with forward this round
+        self.checks = UnshardChecks()
+        # Weak refs to optimizers whose fast-path step over this group is not undone yet
+        # (it raised): the root's next forward undoes it (``optim.local_step``).
+        self.unfinished_steps: list[weakref.ref] = []
+        # Parameters an earlier call on a sibling module manages: raised at lazy init.
+        self.shared_elsewhere: list[SharedParam] = []
+
+    @property
+    def meshes(self) -> list[MeshInfo]:
+        """The meshes its buckets shard over: one, or one per mesh that
+        ``shard_placement_fn`` named (per-parameter meshes)."""
+        return list({id(b.comm): b.comm for b in self.buckets}.values()) or [self.comm]
+
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """``value`` as ``reshard_after_forward_value`` checked it against every mesh of
+        the group; an int reshards each bucket to that many of its mesh's ranks."""
+        self.reshard_after_forward_arg = value
+        self.reshard_after_forward = True if value is None else value
+        factor = value if isinstance(value, int) and not isinstance(value, bool) else None
+        for b in self.buckets:
+            b.gather.set_partial_target(factor)
+
+    def set_name(self, name: str) -> None:
+        """Name used in messages: the module's FQN under the root, once known."""
+        self.name = name
+        for b in self.buckets:
+            b.name = f"group '{name}' [{b.dtype}]"
+
+    # ------------------------------------------------------------ unshard/reshard
+    def unshard(self, after: torch.futures.Future | None = None) -> None:
+        """Issue the all-gather (async); ``wait_for_unshard`` finishes it. Gathers in place
+        start only once ``after`` (a reduce in storage) completed."""
+        if self.shard_state in (ShardState.GATHERING, ShardState.UNSHARDED):
+            return
+        # The group's name prefixes the parameters' once lazy init named it after its module.
+        prefix = self.name if self.ctx is not None and self.name != "<root>" and "," not in self.name else ""
+        self.checks.run(self.buckets, self.params, self.comm.mesh.device_type, self.name, prefix)
+        if self.ctx is not None and any(b.storage_lent for b in self.buckets):
+            self.ctx.finish_reduces_of(self)  # its storage still holds the gradients
+        from_partial = self.shard_state is ShardState.PARTIAL
+        for b in self.buckets:
+            b.start_all_gather(from_partial, after)
+        self.shard_state = ShardState.GATHERING
+
+    def wait_for_unshard(self) -> None:
+        """Finish the all-gather; from now on the modules show the unsharded leaves."""
+        if self.shard_state is ShardState.GATHERING:
+            for b in self.buckets:
+                b.finish_all_gather()
+            self.shard_state = ShardState.UNSHARDED
+            for p in self.params:
+                leaf = p.unsharded
+                if leaf is None or p.sharded is None or leaf.requires_grad != p.sharded.requires_grad:
+                    p.register_unsharded()  # checks, and settles a changed requires_grad
+                else:
+                    for module, name in p.owners:  # ``register``, inlined: every param, every unshard
+                        module._parameters[name] = leaf
+        elif self.shard_state is not ShardState.UNSHARDED:
+            raise AssertionError(f"fsdp2 internal error: wait_for_unshard in state {self.shard_state}")
+
+    def reshard(self) -> None:
+        if self.shard_state is ShardState.SHARDED:
+            return
+        for b in self.buckets:
+            b.reshard()
+        self._show_sharded(ShardState.SHARDED)
+
+    def hold_gathered(self) -> None:
+        """Gather now and stay gathered (forwards do not free) until the next reshard."""
+        self.unshard()
+        self.wait_for_unshard()
+        self.held_by_user = True
+
+    def reshard_if_idle(self) -> None:
+        """Reshard a group left gathered between steps (kept after a forward no backward
+        followed, after backward, or by ``unshard()``) before the shards change or are
+        saved, so nobody sees a stale gathered copy; a no-op during forward or backward."""
+        in_step = self.ctx is not None and (self.ctx.in_backward or self.ctx.active_forwards)
+        if self.training_state is TrainingState.IDLE and not in_step:
+            self.reshard()
+
+    def _show_sharded(self, state: ShardState) -> None:
+        self.held_by_user = False
+        self.shard_state = state
+        for p in self.params:
+            p.register_sharded()
+
+    def _reshard_after_forward(self) -> None:
+        value = self.reshard_after_forward
+        if value is True:
+            if self.frees_after_forward():
+                self.reshard()
+        elif value is not False and self.shard_state is ShardState.UNSHARDED:
+            for b in self.buckets:
+                b.reshard_partial()
+            self._show_sharded(ShardState.PARTIAL)
+
+    def frees_after_forward(self) -> bool:
+        """Its gathered parameters are freed once its forward is done."""
+        return (
+            self.reshard_after_forward is True
+            and not self.held_by_user
+            and not (self.reshard_after_forward_arg is None and self.ctx is not None and self.ctx.keeps_for_backward(self))
+        )
+
+    @property
+    def direct(self) -> bool:
+        """One rank, no dtype change: the leaves alias the shards (see
+        ``FlatBucket.direct``), with no autograd node or copy of ours in backward."""
+        return all(b.direct for b in self.buckets)
+
+    def rebind(self) -> None:
+        """After ``module._apply``: adopt the new parameter data, once every module of the
+        group has been converted (``to_empty`` reaches the modules of a list one by one)."""
+        self.reshard()
+        self.checks.forget()
+        current = [[p.owners[0][0]._parameters[p.owners[0][1]] for p in b.params] for b in self.buckets]
+        if len({t.device for ts in current for t in ts}) > 1 or any(len({t.dtype for t in ts}) > 1 for ts in current):
+            return  # another module's _apply will finish the conversion
+        for b in self.buckets:
+            b.rebind()
+        join_reduces(self.buckets)  # which buckets reduce alike follows their dtypes
+
+    def adopt_reassigned(self) -> None:
+        """At lazy init: parameters reassigned since ``fully_shard`` (``module.weight =
+        nn.Parameter(dtensor)``, e.g. by a custom initializer) become the sharded
+        parameters, their values copied into the group's storage; parameters whose local
+        tensors gained all-gather hooks since (bound to the object, as torch's tests do)
+        move to the extension path, the group's buckets built anew (torch too looks for
+        the hooks at lazy init)."""
+        if adoptable_replacements(self.params):
+            self.rebind()
+        # Every parameter checked before any moves (a refused one leaves the group as it was).
+        gained = [(p, wrapper) for p in self.params for found, wrapper in [p.gained_extension()] if found]
+        for p, wrapper in gained:
+            p.take_extension(wrapper)
+        if gained:
+            self.reshard()
+            self.checks.forget()
+            self.buckets = rebucket(self.params, self.buckets, self.comm, self.mp_policy, self.offload_policy)
+            self.set_reshard_after_forward(self.reshard_after_forward_arg)
+            self.set_name(self.name)
+
+    # -------------------------------------------------------------------- forward
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ctx = self.ctx
+        assert ctx is not None, "fsdp2 internal error: forward before lazy init"
+        recompute = ctx.in_backward  # activation checkpointing re-runs forward in backward
+        # The group's forward begins (not a later module of the same group forward, e.g.
+        # the head of [final norm, embedding, head]: its next group ran and was freed).
+        begins = self.training_state is not TrainingState.FORWARD or id(module) in self._forwarded
+        if not recompute:
+            self.training_state = TrainingState.FORWARD
+            ctx.record_forward(self)
+            self.calls.saved_by_hooks = self.calls.saved_by_hooks or saved_tensor_hooks_active()
+            for b in self.buckets:
+                b.reduce.refresh_layout()
+            if self.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL) and any(
+                b.kept.is_stale() for b in self.buckets
+            ):
+                # Still gathered from a forward whose backward never ran (the root, the
+                # kept last block, reshard_after_forward=False or int) and the shards
+                # changed since, e.g. an optimizer step: gather them afresh.
+                self.reshard()
+        self.unshard()
+        self.wait_for_unshard()
+        # Issued after our wait: the gather queue was busy with ours until now anyway,
+        # and the prefetch can take the buffer ours just released.
+        if not recompute and begins:  # a recompute runs backward's order: the next layer is done
+            for target in ctx.forward_prefetch_targets(self):
+                target.unshard()
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = settle_async_inputs(args, kwargs)
+        if self.direct or not torch.is_grad_enabled() or not any(b.reduce.has_reduced_params() for b in self.buckets):
+            return args, kwargs
+        if recompute:
+            # A reentrant checkpoint's recompute, whose forward ran without grad: its
+            # gradients reach the leaves inside this backward, with no node counted.
+            # (A non-reentrant recompute only refills saved tensors: its group has nodes.)
+            self.calls.reduce_at_finalize = self.calls.reduce_at_finalize or self.calls.pending == 0
+            return args, kwargs
+        return self.calls.route_inputs(self, args, kwargs)
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        ctx = self.ctx
+        assert ctx is not None
+        if ctx.in_backward:  # recompute: backward still needs the unsharded parameters
+            return self._cast_output(output)
+        self._forwarded.add(id(module))
+        if len(self._forwarded) == len(self.modules):
+            self._forwarded.clear()
+            if self.held_by_user:
+                pass  # gathered by unshard() for the caller's own computations: kept
+            elif torch.is_grad_enabled():
+                self._reshard_after_forward()
+                if self.shard_state is not ShardState.SHARDED:
+                    for b in self.buckets:
+                        b.kept.note()  # checked at the next forward (``pre_forward``)
+            else:
+                self.reshard()  # no backward follows a no-grad forward: keep nothing
+            self.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            self.calls.hook_outputs(output, self._pre_backward_hook)
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
+        """Cast as the policy says, in forward and in a checkpoint's recompute alike."""
+        if self.mp_policy.output_dtype is not None:
+            return cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    # ------------------------------------------------------------------- backward
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.calls.started += 1
+        self.pre_backward()
+
+    def pre_backward(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        ctx.on_backward_start()
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self.unshard_in_backward:
+            self.unshard()
+            self.wait_for_unshard()
+        # Overlaps this group's backward compute; behind the reduce still in flight, so
+        # its gathered parameters take the memory that reduce frees (fsdp2.comm.collectives).
+        after = ctx.reduce_in_flight() if PREFETCH_BEHIND_REDUCE else None
+        for target in ctx.backward_prefetch_targets(self):
+            target.unshard(after)
+        ctx.free_unreferenced(self)
+
+    def post_backward_node(self, counted: bool) -> None:
+        """``_PostBackward.backward``: one forward call's backward is complete."""
+        if self.ctx is not None:
+            self.ctx.on_backward_start()
+        if counted:
+            self.calls.pending -= 1
+            # With gradients that may come without a node, e.g. from code that used the
+            # leaves before this call's forward (after ``unshard()``), autograd may still
+            # run that code's backward after this node: Phase 5 does Phase 4.
+            if not self.calls.awaiting:
+                self.post_backward()
+
+    def post_backward(self) -> None:
+        """Phase 4: reshard, move the unsharded gradients into the reduce input and issue
+        this group's reduce-scatters. Without synchronization, gradients stay in the
+        leaves, except those computed in a dtype other than the reduce's: they
+        accumulate in the reduce input, in ``reduce_dtype`` (as torch accumulates
+        them), not in ``param_dtype`` micro-batch after micro-batch."""
+        self.forget_calls()
+        sync = self.requires_gradient_sync and not self.direct
+        if self.reshard_after_backward:
+            if sync:
+                for b in self.buckets:
+                    b.lend_storage()
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        buckets = [b for b in self.buckets if sync or b.reduce_dtype != b.compute_dtype]
+        if self.direct or not buckets:
+            return  # direct: the end of backward hands the gradients over
+        assert self.ctx is not None
+        self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
+        for b in buckets:
+            b.reduce.deposit_unsharded_grads(sync)
+        if not sync:
+            return
+        for b in buckets:
+            if b.reduce.has_reduced_params():
+                if self.reshard_after_backward:
+                    # Every rank decides alike here, whatever gradients it deposited
+                    # (which ones a rank computed can depend on its data).
+                    b.lend_storage()
+                b.reduce.start(self.divide_factor(b), self.requires_all_reduce)
+                self.ctx.add_pending_reduce(self, b)
+
+    def has_unsharded_grads(self) -> bool:
+        return any(b.reduce.has_unsharded_grads() for b in self.buckets)
+
+    def forget_calls(self) -> None:
+        self.calls.forget()
+
+    def divide_factor(self, bucket: FlatBucket) -> float:
+        """What ``bucket``'s reduced gradients are divided by: the ranks of its mesh (as
+        torch divides each per-parameter mesh's group), or the user's factor."""
+        return float(self.gradient_divide_factor or bucket.comm.dp_size)
+
+    def reset(self) -> None:
+        """Forget this iteration: reshard, drop deposited gradients and pending work."""
+        for b in self.buckets:
+            b.drop_state()
+        if self.shard_state is ShardState.GATHERING:
+            self.shard_state = ShardState.UNSHARDED
+        self.reshard()
+        self.forget_calls()
+        self._forwarded.clear()
+        self.training_state = TrainingState.IDLE
+
+

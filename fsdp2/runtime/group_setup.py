@@ -1,0 +1,246 @@
+"""What a ``ParamGroup`` is built from and checked against: its buckets (one per dtype
+and kind of parameter), its lifecycle states, and the checks on its parameters that
+need no group (offload support, materialization, reassignment)."""
+
+from __future__ import annotations
+
+import operator
+from enum import Enum, auto
+
+import torch
+
+from ..api import MixedPrecisionPolicy, OffloadPolicy
+from ..bucket.bucket import FlatBucket
+from ..bucket.gather import RidingGather
+from ..bucket.offload import HostOffload
+from ..bucket.quant.spec import NO_QUANTIZATION, QuantizedComm
+from ..comm.mesh import MeshInfo, mesh_device
+from ..params.param import FSDPParam
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # outside forward and backward
+    FORWARD = auto()  # between pre_forward and post_forward of one of its modules
+    PRE_BACKWARD = auto()  # gathered for backward; gradients not all computed yet
+
+
+class ShardState(Enum):
+    SHARDED = auto()  # only the sharded flat buffers hold data; modules show the DTensors
+    GATHERING = auto()  # all-gather issued, not waited for yet; modules show the DTensors
+    UNSHARDED = auto()  # unsharded flat buffers hold the full parameters; modules show the leaves
+    PARTIAL = auto()  # after forward with an int reshard: W/N of the rows kept; the DTensors
+
+
+def build_buckets(
+    params: list[FSDPParam],
+    originals: list[torch.Tensor],
+    comm: MeshInfo,
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None,
+) -> list[FlatBucket]:
+    """One bucket per mesh and dtype (per-parameter meshes: one group per mesh, in the
+    order their parameters first appear); plain parameters, subclasses over the flat
+    buffer and subclasses with shards of their own (``FSDPParam.dispatched``) in buckets
+    of their own. Raises before any storage is made if the offload cannot serve them."""
+    compute_device = mesh_device(comm.mesh)
+    if HostOffload.for_policy(offload_policy, compute_device) is not None:
+        check_offloadable(params)
+    by_dtype: dict[tuple[int, torch.dtype, bool, bool], list[int]] = {}
+    for i, p in enumerate(params):
+        by_dtype.setdefault((id(p.comm), p.dtype, p.extension, p.dispatched), []).append(i)
+    buckets = []
+    for (_, dtype, _, _), idx in by_dtype.items():
+        floating = dtype.is_floating_point
+        compute = mp_policy.param_dtype if (mp_policy.param_dtype and floating) else dtype
+        reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and floating) else compute
+        offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its own copies
+        mesh = params[idx[0]].comm
+        quant = QuantizedComm(mp_policy.quantize_gather, mp_policy.quantize_reduce) if floating else NO_QUANTIZATION
+        bucket = FlatBucket(
+            [params[i] for i in idx], [originals[i] for i in idx], mesh, device, compute, reduce, offload, quant
+        )
+        bucket.mp_policy = mp_policy
+        # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
+        bucket.follows_dtype = (
+            not (mp_policy.param_dtype and floating),
+            not ((mp_policy.reduce_dtype or mp_policy.param_dtype) and floating),
+        )
+        buckets.append(bucket)
+    join_reduces(buckets)
+    return join_gathers(buckets)
+
+
+def join_gathers(buckets: list[FlatBucket]) -> list[FlatBucket]:
+    """On each mesh with an all-gather extension, its first extension bucket carries the
+    other buckets on that mesh (``ExtensionGather``): one all-gather, as torch sends a
+    group's parameters together. Returns the buckets with each carrier moved before the
+    buckets it carries (it finishes first); the order is unchanged without extensions."""
+    out = list(buckets)
+    for carrier in [b for b in buckets if b.extension]:
+        if carrier.gather.rides:
+            continue  # carried by an earlier extension bucket of its mesh
+        carrier.riders = [b for b in buckets if b.comm is carrier.comm and b is not carrier]
+        for r in carrier.riders:
+            r.gather = RidingGather(r, carrier)
+        if carrier.riders:
+            out.remove(carrier)
+            out.insert(min(out.index(r) for r in carrier.riders), carrier)
+    return out
+
+
+def join_reduces(buckets: list[FlatBucket]) -> None:
+    """On each mesh with an all-gather extension, the buckets that reduce alike (the same
+    parameter dtype, hence compute dtype, and reduce dtype; no host offload) reduce as
+    one: the first one's reduce carries the others' parameters (``BucketReduce.carry``),
+    one collective as torch reduces a group's gradients together. Elsewhere (a group
+    without extensions has one bucket per mesh and dtype) each bucket reduces its own.
+    Run again when ``module._apply`` changed the buckets' dtypes (``ParamGroup.rebind``)."""
+    extension_meshes = {id(b.comm) for b in buckets if b.extension}
+    if not extension_meshes:
+        return
+    alike: dict[tuple[int, torch.dtype, torch.dtype], list[FlatBucket]] = {}
+    for b in buckets:
+        if id(b.comm) in extension_meshes and b.offload is None:
+            alike.setdefault((id(b.comm), b.dtype, b.reduce_dtype), []).append(b)
+    leads = {id(leader): riders for leader, *riders in alike.values()}
+    # A leader's ``carry`` sets its riders; the rest reduce their own. Unchanged ones
+    # are left alone (``carry`` returns at once).
+    for b in buckets:
+        if id(b) in leads:
+            b.reduce.carry([r.reduce for r in leads[id(b)]])
+        elif not any(b in riders for riders in leads.values()):
+            b.reduce.carry([])
+
+
+def rebucket(
+    params: list[FSDPParam],
+    old: list[FlatBucket],
+    comm: MeshInfo,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy | None,
+) -> list[FlatBucket]:
+    """The buckets built anew over the parameters' current shards (after some moved to
+    the extension path at lazy init: ``FSDPParam.gained_extension``). The sharded
+    parameters stay the same objects (swapped, as ``FlatBucket.rebind`` does), so
+    optimizers built before keep working; the group-wide knobs set on the old buckets
+    carry over."""
+    current = [p.sharded for p in params]
+    # Each parameter's own sharded parameter as its "original": its rows are copied.
+    buckets = build_buckets(params, current, comm, old[0].device, mp_policy, offload_policy)  # type: ignore[arg-type]
+    for p, param in zip(params, current):
+        assert param is not None, "fsdp2 internal error: re-bucketing an unsharded parameter"
+        fresh, grad = p.sharded, param.grad
+        torch.utils.swap_tensors(param, fresh)  # type: ignore[arg-type]
+        param.grad = grad
+        p.set_sharded(param)
+        p.register_sharded()
+    for b in buckets:
+        b.custom_all_gather = old[0].custom_all_gather
+        b.reduce.hook, b.reduce.custom = old[0].reduce.hook, old[0].reduce.custom
+        b.reduce.zero_unused = old[0].reduce.zero_unused
+        b.update_direct()
+    return buckets
+
+
+def check_offloadable(params: list[FSDPParam]) -> None:
+    """``CPUOffloadPolicy`` on an accelerator: tensor subclasses that gather through their
+    own hooks are not offloaded yet (raised before anything changed)."""
+    custom = [p.fqn for p in params if p.extension]
+    if custom:
+        raise NotImplementedError(
+            f"fsdp2: CPUOffloadPolicy on an accelerator mesh does not support parameters whose class "
+            f"defines fsdp_pre_all_gather yet ({', '.join(custom[:3])}); shard them in a fully_shard "
+            "call of their own without offload_policy"
+        )
+
+
+def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> None:
+    """The sharded parameters are real tensors on the mesh's device type (the host's when
+    offloaded)."""
+    for b in buckets:
+        device = b.sharded_flat.device
+        if device.type not in ("meta", mesh_type) and (b.offload is None or device != b.offload.host):
+            raise RuntimeError(
+                f"fsdp2: parameters of group '{name}' are on {device} but its mesh is on "
+                f"{mesh_type}; move the model with model.to({mesh_type!r}) or build the mesh "
+                f"for {device.type}"
+            )
+        if device.type == "meta" and mesh_type != "meta":
+            fqns = ", ".join(p.fqn for p in b.params[:3])
+            raise RuntimeError(
+                f"fsdp2: parameters ({fqns}, ...) are still on the meta device at forward; "
+                "materialize them first with model.to_empty(device=...) and initialize them "
+                "(e.g. reset_parameters() or load_state_dict)"
+            )
+
+
+class UnshardChecks:
+    """What every unshard checks first, cheaply: the sharded storage is materialized
+    (checked again only once a flat buffer changed, or after ``forget``) and no owner
+    module had a parameter reassigned."""
+
+    def __init__(self) -> None:
+        self._materialized: list[torch.Tensor] = []  # the sharded flats found materialized
+
+    def run(self, buckets: list[FlatBucket], params: list[FSDPParam], mesh_type: str, name: str, prefix: str) -> None:
+        flats = [b.sharded_flat for b in buckets]
+        if len(flats) != len(self._materialized) or not all(map(operator.is_, flats, self._materialized)):
+            check_materialized(buckets, mesh_type, name)
+            self._materialized = flats
+        check_not_reassigned(params, prefix)
+
+    def forget(self) -> None:
+        self._materialized = []
+
+
+def check_not_reassigned(params: list[FSDPParam], prefix: str) -> None:
+    """Every owner module still registers the parameter's sharded or unsharded tensor
+    (checked at every unshard: kept to a tight loop)."""
+    for fp in params:
+        module, name = fp.owners[0]  # ``fp.reassigned()``, inlined
+        current = module._parameters.get(name)
+        if current is not None and current is not fp.sharded and current is not fp.unsharded:
+            _raise_reassigned(prefix, fp)
+
+
+def adoptable_replacements(params: list[FSDPParam]) -> bool:
+    """Whether some parameter was reassigned since ``fully_shard``; each replacement is
+    checked to be a DTensor like the one it replaces."""
+    new = [(fp, t) for fp in params if (t := fp.reassigned()) is not None]
+    for fp, t in new:
+        _check_replacement(fp, t)
+    return bool(new)
+
+
+def _raise_reassigned(prefix: str, fp: FSDPParam) -> None:
+    raise RuntimeError(
+        f"fsdp2: parameter {prefix + '.' if prefix else ''}{fp.fqn} was reassigned after the model's first "
+        "forward; fsdp2 adopts reassigned parameters only before it. Copy the new values into the "
+        "parameter instead: with torch.no_grad(): param.copy_(distribute_tensor(value, "
+        "param.device_mesh, param.placements))"
+    )
+
+
+def _check_replacement(fp: FSDPParam, t: torch.Tensor) -> None:
+    """A reassigned parameter can replace ``fp``'s sharded one: same kind of DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    same = (
+        isinstance(t, DTensor)
+        and t.shape == fp.shape
+        and tuple(t.placements) == tuple(fp.placements)
+        and t.device_mesh == fp.mesh
+    )
+    if not same:
+        what = (
+            f"a DTensor of shape {tuple(t.shape)} with placements {tuple(t.placements)}"
+            if isinstance(t, DTensor)
+            else f"a {type(t).__name__} of shape {tuple(t.shape)}"
+        )
+        raise ValueError(
+            f"fsdp2: parameter {fp.fqn} was reassigned after fully_shard with {what}; it must be a "
+            f"DTensor like the sharded one it replaces (shape {tuple(fp.shape)}, placements "
+            f"{tuple(fp.placements)}): nn.Parameter(distribute_tensor(value, param.device_mesh, "
+            "param.placements))"
+        )

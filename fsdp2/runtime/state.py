@@ -1,0 +1,358 @@
+"""Hook registration, root lazy init and the end-of-backward callback."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from ..bucket.bucket import FlatBucket
+from ..bucket.commit import run_post_accumulate_hooks
+from ..optim import local_step
+from ..params.shared import raise_deferred
+from .group import ParamGroup, ShardState, TrainingState
+
+# Reduce-scatters allowed in flight before the oldest is waited for: bounds the
+# pooled reduce buffers alive at once (each holds a full unsharded gradient) while
+# the newest still overlaps the next group's backward. A group with several buckets
+# (dtypes; meshes, with per-parameter meshes) issues them one after the other: each
+# bucket's reduce overlaps the next one's issue and run, the last one the next group's
+# backward. Waiting per group instead would keep every bucket's buffers through the
+# next backward (+7% peak on tools/bench_moe.py's model, for no measured speed).
+MAX_PENDING_REDUCES = 1
+
+
+class FSDPState:
+    """What one ``fully_shard``-ed module carries: its group and its hooks."""
+
+    def __init__(self, module: nn.Module, group: ParamGroup) -> None:
+        self.module = module
+        self.group = group
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward_hook, prepend=False, always_call=True),
+        ]
+
+    # The hooks run eagerly also inside a compiled module (``block.compile()``, then
+    # fully_shard): their collectives and bookkeeping are not traceable, and the
+    # module's own forward compiles as one graph between them.
+    @torch.compiler.disable
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self.pre_forward(args, kwargs)
+
+    @torch.compiler.disable
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if output is None and sys.exc_info()[1] is not None:
+            self.on_forward_exception()  # ``always_call``: forward raised
+            return None
+        return self.post_forward(output)
+
+    def on_forward_exception(self) -> None:
+        """Forward raised: free the gathered parameters (the module shows the sharded ones
+        again; a gather in flight is left to the reset at the next forward). Not in a
+        checkpoint's recompute, which stops early by raising once it has recomputed what
+        backward needs: backward goes on reading the parameters."""
+        group = self.group
+        ctx = group.ctx
+        if ctx is not None and ctx.in_backward:
+            return
+        if group.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL):
+            group.reshard()
+        if ctx is not None:
+            ctx.needs_reset = True
+
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ctx = self.group.ctx
+        if ctx is None:
+            ctx = RootContext.lazy_init(self)
+        if ctx.root is self.group:
+            if any(g.unfinished_steps for g in ctx.groups):
+                local_step.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
+            ctx.start_iteration()
+        if not ctx.in_backward:  # a recompute may stop early, without its post_forward
+            ctx.active_forwards += 1
+        return self.group.pre_forward(self.module, args, kwargs)
+
+    def post_forward(self, output: Any) -> Any:
+        ctx = self.group.ctx
+        assert ctx is not None
+        if ctx.in_backward:
+            return self.group.post_forward(self.module, output)
+        ctx.active_forwards -= 1
+        output = self.group.post_forward(self.module, output)
+        if ctx.root is self.group:
+            ctx.end_forward()
+        return output
+
+
+class RootContext:
+    """State shared by every group under one root module for one training step."""
+
+    def __init__(self, root: ParamGroup, groups: list[ParamGroup]) -> None:
+        self.root = root
+        self.groups = groups
+        self.in_backward = False
+        self.needs_reset = False  # a forward raised: reset at the next root forward
+        self.active_forwards = 0  # pre_forwards without their post_forward yet
+        self.forward_order: list[ParamGroup] = []
+        self.order_frozen = False
+        self.pending_reduces: deque[tuple[ParamGroup, FlatBucket]] = deque()
+
+    @staticmethod
+    def lazy_init(state: FSDPState) -> RootContext:
+        """The first module to run forward is the root: it adopts every group below it."""
+        if not state.group.in_pipeline_stage:
+            _refuse_torch_pipeline_stage()
+        groups: list[ParamGroup] = []
+        for sub in state.module.modules():
+            sub_state = sub.__dict__.get("_fsdp2_state")
+            if sub_state is not None and sub_state.group not in groups and sub_state.group.ctx is None:
+                groups.append(sub_state.group)
+        raise_deferred([c for g in groups for c in g.shared_elsewhere], state.module)
+        for g in groups:
+            g.adopt_reassigned()
+        ctx = RootContext(state.group, groups)
+        ctx.watch_root_modules()
+        fqns = {id(m): name for name, m in state.module.named_modules()}
+        for g in groups:
+            g.ctx = ctx
+            g.set_name(", ".join(fqns.get(id(m)) or "<root>" for m in g.modules))
+            if g.reshard_after_forward_arg is None:
+                # The root's parameters are needed first in backward: keep them.
+                g.reshard_after_forward = g is not state.group
+        return ctx
+
+    def watch_root_modules(self) -> None:
+        """Modules that own the root's parameters below it get a forward pre-hook: one run
+        in backward (an activation checkpoint's recompute) after the root was freed early
+        (``free_unreferenced``) gathers it again (``regather_root``)."""
+        hosts = {id(m) for m in self.root.modules}
+        seen: set[int] = set()
+        me = weakref.ref(self)
+        for p in self.root.params:
+            for module, _ in p.owners:
+                if id(module) not in hosts and id(module) not in seen:
+                    seen.add(id(module))
+                    module.register_forward_pre_hook(functools.partial(_regather_root, me))
+
+    def regather_root(self) -> None:
+        root = self.root
+        if self.in_backward and root.training_state is TrainingState.PRE_BACKWARD and root.shard_state is ShardState.SHARDED:
+            root.unshard()  # every rank recomputes alike: the same all-gather
+            root.wait_for_unshard()
+
+    # ---------------------------------------------------------------- forward
+    def start_iteration(self) -> None:
+        """At the root's pre_forward: if the last forward or backward raised, start clean."""
+        if self.in_backward:
+            if _backward_interrupted(self):
+                self.reset()
+        elif self.active_forwards or self.needs_reset:
+            self.reset()
+
+    def record_forward(self, group: ParamGroup) -> None:
+        if not self.order_frozen and group.order_index < 0:
+            group.order_index = len(self.forward_order)
+            self.forward_order.append(group)
+
+    def end_forward(self) -> None:
+        """After the root's forward: the order is known; free prefetched, unused groups."""
+        self.order_frozen = True
+        for g in self.groups:
+            if (
+                g is not self.root
+                and g.training_state is TrainingState.IDLE
+                and g.frees_after_forward()
+                and g.shard_state is not ShardState.SHARDED
+            ):
+                g.reshard()
+
+    def forward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
+        if group.forward_prefetch is not None:
+            return group.forward_prefetch
+        i = group.order_index
+        if not self.order_frozen or i < 0 or i + 1 >= len(self.forward_order):
+            return []
+        return [self.forward_order[i + 1]]
+
+    def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
+        # Never one whose backward already started (the root): it was gathered then, and
+        # if it was freed since (``free_unreferenced``), nothing needs it again.
+        if group.backward_prefetch is not None:
+            return [
+                t
+                for t in group.backward_prefetch
+                if t.training_state is not TrainingState.PRE_BACKWARD and t.unshard_in_backward
+            ]
+        i = group.order_index
+        if i <= 0 or not self.order_frozen:
+            return []
+        target = self.forward_order[i - 1]
+        waiting = target.calls.awaiting and target.unshard_in_backward
+        return [target] if waiting and target.training_state is not TrainingState.PRE_BACKWARD else []
+
+    # --------------------------------------------------------------- backward
+    def on_backward_start(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def keeps_for_backward(self, group: ParamGroup) -> bool:
+        """With the default ``reshard_after_forward=None``, the last group to run forward
+        (not the root) keeps its parameters: its backward comes first, right after the
+        loss, and would gather them straight back (torchtitan does the same by hand)."""
+        return self.order_frozen and group is not self.root and self.forward_order[-1] is group
+
+    def free_unreferenced(self, current: ParamGroup) -> None:
+        """At each group's pre_backward: free the root, kept gathered, once nothing can
+        read its parameters any more, instead of holding them until its own gradients
+        arrive at the end."""
+        if self.root is not current and self._root_unreferenced():
+            self.root.reshard()
+
+    def _root_unreferenced(self) -> bool:
+        """The root (whose gradients wait for the end of backward) is still gathered, every
+        forward call's backward started, and nothing can read its parameters any more:
+        no tensor autograd saved or a custom Function kept refers to a leaf, and no view
+        of the storage exists outside the buckets; e.g. after the output layer's
+        backward, while every block's backward lies ahead. Not after a forward under
+        saved-tensor hooks (activation checkpointing, offloading: autograd holds nothing
+        now that a recompute will need); a root-owned module recomputed later gathers
+        the root again (``regather_root``)."""
+        root = self.root
+        return (
+            root.training_state is TrainingState.PRE_BACKWARD
+            and root.calls.all_started  # no pre_backward to come
+            and not root.calls.saved_by_hooks
+            and root.shard_state is ShardState.UNSHARDED
+            and root.reshard_after_backward
+            and all(b.is_unsharded_unreferenced() for b in root.buckets)
+            and all(p.is_unheld() for p in root.params)
+        )
+
+    def add_pending_reduce(self, group: ParamGroup, bucket: FlatBucket) -> None:
+        self.pending_reduces.append((group, bucket))
+        while len(self.pending_reduces) > MAX_PENDING_REDUCES:
+            self._finish_oldest_reduce()
+
+    def make_room_for_reduce(self, group: ParamGroup) -> None:
+        """Before ``group`` deposits gradients: finish its own reduce-scatter still in flight
+        (from an earlier backward with ``set_is_last_backward(False)``: it reads the buffer
+        the deposit writes), and those beyond the allowed number in flight."""
+        self.finish_reduces_of(group)
+        while self.root.is_last_backward and len(self.pending_reduces) >= MAX_PENDING_REDUCES:
+            self._finish_oldest_reduce()
+
+    def reduce_in_flight(self) -> torch.futures.Future | None:
+        """The newest reduce in storage still running, if any."""
+        for _, b in reversed(self.pending_reduces):
+            running = b.in_place.in_flight() if b.in_place is not None else None
+            if running is not None:
+                return running
+        return None
+
+    def finish_reduces_of(self, group: ParamGroup) -> None:
+        """Wait for ``group``'s reduce-scatters in flight (and the older ones before them)."""
+        while any(g is group for g, _ in self.pending_reduces):
+            self._finish_oldest_reduce()
+
+    def _finish_oldest_reduce(self) -> None:
+        _, b = self.pending_reduces.popleft()
+        b.reduce.finish()
+
+    def finalize_backward(self) -> None:
+        """Phase 5: runs once at the end of each backward over the root's graph."""
+        for g in self.groups:
+            # Forward calls whose node never ran, gradients that came without one (see
+            # ``BackwardCalls.reduce_at_finalize``), and any that reached a leaf after its group's
+            # reduce was issued (a use outside the module after its backward).
+            late = g.requires_gradient_sync and g.has_unsharded_grads()
+            if not g.direct and (g.calls.awaiting or late):
+                g.post_backward()
+        self._commit()
+        self.in_backward = False
+
+    def reduce_accumulated(self) -> None:
+        """End of a gradient accumulation without synchronization driven from outside a
+        backward (``fsdp2.pipelining``: after the last micro-batch): every group reduces
+        what its leaves accumulated, as the end of a backward would, and reshards."""
+        for g in self.groups:
+            g.requires_gradient_sync = g.reshard_after_backward = True
+            if not g.direct:
+                g.post_backward()  # every group on every rank: the same collectives
+        self.root.is_last_backward = True
+        self._commit()
+
+    def _commit(self) -> None:
+        """Wait for the reduces (unless more backwards accumulate first), write ``.grad``."""
+        if self.root.is_last_backward:
+            while self.pending_reduces:
+                self._finish_oldest_reduce()
+        given: list = []  # parameters given a gradient: their post-accumulate hooks run last
+        for g in self.groups:
+            if g.direct:
+                g.forget_calls()
+                if g.requires_gradient_sync:
+                    ran = g.training_state is TrainingState.PRE_BACKWARD
+                    for b in g.buckets:
+                        given += b.commit.commit_direct(g.divide_factor(b), ran)
+            for b in g.buckets:
+                given += b.commit.commit()
+            g.held_by_user = False  # an unshard() window ends with the backward
+            if g.reshard_after_backward:
+                g.reshard()
+            g.training_state = TrainingState.IDLE
+        run_post_accumulate_hooks(given)
+
+    def reset(self) -> None:
+        """Back to a clean step after an exception in forward or backward."""
+        self.pending_reduces.clear()
+        for g in self.groups:
+            g.reset()
+        self.in_backward = False
+        self.needs_reset = False
+        self.active_forwards = 0
+
+
+def _refuse_torch_pipeline_stage() -> None:
+    """torch's pipeline stages reduce fsdp2's gradients on every micro-batch and lose the
+    weight gradients of zero-bubble schedules' split backward: refuse to run under one
+    (checked once, at the root's first forward, by the code objects on the stack; the
+    stages of ``fsdp2.pipelining`` mark their groups ``in_pipeline_stage``)."""
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return
+        if frame.f_code.co_filename.endswith(_TORCH_STAGE_FILE):
+            raise RuntimeError(
+                "fsdp2: a fully_shard-ed module runs in a stage of torch.distributed.pipelining, which "
+                "reduces its gradients on every micro-batch and loses weight gradients in zero-bubble "
+                "schedules. Build the stage with fsdp2.pipelining.PipelineStage (same arguments), or "
+                "adapt an existing one with fsdp2.pipelining.adapt_stage(stage)"
+            )
+        frame = frame.f_back
+
+
+_TORCH_STAGE_FILE = os.path.join("torch", "distributed", "pipelining", "stage.py")
+
+
+@torch.compiler.disable
+def _regather_root(ctx_ref: weakref.ref, module: nn.Module, args: Any) -> None:
+    ctx = ctx_ref()
+    if ctx is not None:
+        ctx.regather_root()
+
+
+def _backward_interrupted(ctx: RootContext) -> bool:
+    """True when a backward started but its end-of-backward callback never ran."""
+    if not ctx.in_backward:
+        return False
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task_id is None or graph_task_id() == -1
