@@ -3,13 +3,13 @@
 from . import optim  # noqa: F401 (fsdp2.optim.Muon after import fsdp2)
 from ._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .api import (
+    BlockQuantization,
     CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardPlacementResult,
 )
-from .bucket.quant import BlockQuantization
 from .fully_shard import fully_shard
 from .optim import clip_grad_norm_
 from .params.state_dict import StateDictError

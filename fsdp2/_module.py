@@ -15,6 +15,7 @@ from . import _classes
 from ._knobs import CommKnobs, check_bool
 from ._validate import reshard_after_forward_value
 from .params.state_dict import validate_state_dict
+from .runtime.adopt import rebind
 from .runtime.group import ParamGroup, ShardState, TrainingState
 from .runtime.state import FSDPState
 
@@ -179,7 +180,7 @@ class FSDPModule(CommKnobs):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
         if assign:  # the dict's tensors replaced ours: copy them into our storage
             for g in groups:
-                g.rebind()
+                rebind(g)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -205,7 +206,7 @@ class FSDPModule(CommKnobs):
         group = self._fsdp2_state.group
         group.reshard()
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        group.rebind()
+        rebind(group)
         return out
 
     def _target_groups(self, recurse: bool) -> list[ParamGroup]:

@@ -3,15 +3,73 @@
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import torch
-
-from .bucket.quant.spec import BlockQuantization, as_quantization
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
+
+
+_DTYPES = MappingProxyType({"int8": torch.int8, "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn})
+# The largest magnitude each quantized dtype holds, the ``qmax`` a block's amax maps to.
+QMAX = MappingProxyType({torch.int8: 127.0, torch.float8_e4m3fn: 448.0})
+
+
+@dataclass(frozen=True)
+class BlockQuantization:
+    """Blockwise quantization of a collective's payload (``MixedPrecisionPolicy``'s
+    ``quantize_gather`` / ``quantize_reduce``).
+
+    Attributes:
+        dtype: ``torch.int8`` (or ``"int8"``) or ``torch.float8_e4m3fn`` (or ``"fp8"``).
+        block_size: values per float32 scale; a power of two from 16 to 65536. Bytes sent per
+            value: ``1 + 4 / block_size`` (128: 1.03, a 0.258x of float32's).
+    """
+
+    dtype: torch.dtype | str = torch.int8
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        dtype = _DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if dtype not in QMAX:
+            raise ValueError(
+                f"BlockQuantization.dtype must be torch.int8 ('int8') or torch.float8_e4m3fn ('fp8'), "
+                f"got {self.dtype!r}"
+            )
+        object.__setattr__(self, "dtype", dtype)
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise TypeError(f"BlockQuantization.block_size must be an int, got {type(self.block_size).__name__}")
+        if not 16 <= self.block_size <= 1 << 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"BlockQuantization.block_size must be a power of two from 16 to 65536 (one float32 scale "
+                f"per block; 128 is a good default), got {self.block_size}"
+            )
+
+    @property
+    def qmax(self) -> float:
+        return QMAX[self.dtype]  # type: ignore[index]
+
+    @property
+    def name(self) -> str:
+        return "int8" if self.dtype == torch.int8 else "fp8"
+
+
+def as_quantization(value: Any, field: str) -> BlockQuantization | None:
+    """``None``, a ``BlockQuantization``, or a dtype / its short name as the default blocks."""
+    if value is None or isinstance(value, BlockQuantization):
+        return value
+    if isinstance(value, (str, torch.dtype)):
+        try:
+            return BlockQuantization(value)
+        except ValueError:
+            pass
+    raise ValueError(
+        f"MixedPrecisionPolicy.{field} expects None, 'int8', 'fp8', torch.int8, torch.float8_e4m3fn or "
+        f"fsdp2.BlockQuantization(dtype, block_size), got {value!r}"
+    )
 
 
 @dataclass(frozen=True)

@@ -291,7 +291,8 @@ dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from types import SimpleNamespace
-from fsdp2.params.param import FSDPParam, make_dtensor, spec_where_it_is
+from fsdp2.params.dtensor import make_dtensor, spec_where_it_is
+from fsdp2.params.param import FSDPParam
 from fsdp2.optim._swap import _like_param
 
 mesh = DeviceMesh("cuda", torch.arange(4), _init_backend=False)  # no CUDA needed to describe it

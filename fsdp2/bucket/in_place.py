@@ -37,7 +37,8 @@ from ..comm.collectives import (
     wait_future,
 )
 from ..params.param import FSDPParam
-from .reduce import BucketReduce, Staged, stage, write
+from .deposit import write
+from .reduce import BucketReduce, Staged, stage
 from .reduce_layout import ReduceLayout
 
 if TYPE_CHECKING:

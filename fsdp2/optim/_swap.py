@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..params.param import make_dtensor, spec_where_it_is
+from ..params.dtensor import make_dtensor, spec_where_it_is
 
 
 class _Swapped:

@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..comm.mesh import MeshInfo, SpmdDims
+from ..comm.mesh import MeshInfo
+from .dtensor import concatenate_meshes, contiguous_stride, make_dtensor, spec_where_it_is, spmd_placements
 from .layout import ShardLayout
 from .subclass import KeepObject, SubclassWrapper, has_extension, late_wrapper
 
@@ -69,7 +70,7 @@ class FSDPParam:
         self.comm = info  # the mesh it is sharded over (its bucket's)
         self.owners = owners  # every (module, attribute) registering this parameter (tied weights)
         self.shape = param.shape  # the global shape, as the DTensors report it
-        self.stride = _contiguous_stride(tuple(param.shape))
+        self.stride = contiguous_stride(tuple(param.shape))
         self.dtype = param.dtype
         self.tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         local_shape = param.shape
@@ -98,14 +99,14 @@ class FSDPParam:
         self.dp_dims: frozenset[int] = frozenset()
         if info.spmd is not None:
             assert self.tp is not None, "fsdp2 internal error: SPMD parameters are DTensors"
-            self.mesh, self.placements = _spmd_placements(info.spmd, self.tp[1], fsdp, dim)
+            self.mesh, self.placements = spmd_placements(info.spmd, self.tp[1], fsdp, dim)
             self.dp_dims = info.spmd.dp
         elif self.tp is None:
             self.mesh = info.mesh
             self.placements: tuple[Placement, ...] = info.dp_placements(fsdp)
         else:
             tp_mesh, tp_placements = self.tp
-            self.mesh = _concatenate(info.mesh, tp_mesh, fqn)
+            self.mesh = concatenate_meshes(info.mesh, tp_mesh, fqn)
             # TP shards this dim first; the data-parallel shards of its local tensor then
             # interleave with the TP shards (``_StridedShard``), as torch describes them.
             split = math.prod(
@@ -309,42 +310,6 @@ class FSDPParam:
         return (self.unsharded is not None and self.unsharded.grad is not None) or self._tp_pending is not None
 
 
-def spec_where_it_is(
-    local: torch.Tensor, mesh: Any, placements: Any, shape: torch.Size, stride: tuple[int, ...]
-) -> Any:
-    """The DTensor spec of ``local`` as a shard of a ``shape`` tensor, for ``make_dtensor``.
-    Read off a meta stand-in: ``DTensor.from_local`` copies a tensor that is not on the
-    mesh's device type there (an offloaded host shard would land on the GPU)."""
-    stand_in = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device="meta")
-    return DTensor.from_local(stand_in, mesh, placements, run_check=False, shape=shape, stride=stride)._spec
-
-
-def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:
-    """``DTensor(local, spec)`` whose wrapper has storage offset 0.
-
-    In torch 2.13 a DTensor built over a view at a nonzero storage offset (our shards and
-    state are views into flat buffers) copies that offset into the wrapper, which then
-    reports a non-null ``data_ptr`` and ``torch.save`` / ``copy.deepcopy`` fail on its
-    storage ("invalid python storage"). The wrapper owns no data, so its offset is 0.
-    """
-    if local.storage_offset() == 0:
-        return DTensor(local, spec, requires_grad=requires_grad)
-    meta = spec.tensor_meta
-    out = torch.Tensor._make_wrapper_subclass(
-        DTensor,
-        meta.shape,
-        strides=meta.stride,
-        storage_offset=0,
-        dtype=local.dtype,
-        device=local.device,
-        layout=local.layout,
-        requires_grad=requires_grad,
-    )
-    out._spec = spec
-    out._local_tensor = local
-    return out
-
-
 def _check_extension_param(fqn: str, param: torch.Tensor, dim: int) -> None:
     what = (
         "a tensor-parallel DTensor" if isinstance(param, DTensor)
@@ -357,64 +322,3 @@ def _check_extension_param(fqn: str, param: torch.Tensor, dim: int) -> None:
             f"parameter {fqn} customizes its all-gather (fsdp_pre_all_gather) and is {what}; "
             "fsdp2 supports the all-gather extension on plain parameters sharded on dim 0"
         )
-
-
-def _spmd_placements(
-    spmd: SpmdDims, placements: tuple[Placement, ...], fsdp: Placement, dim: int
-) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The mesh and placements of a shard of a DTensor parameter on a full SPMD mesh.
-
-    Each data-parallel shard dim's ``Replicate()`` becomes ``Shard(dim)``, or
-    ``_StridedShard(dim, split_factor=k)`` when later mesh dims shard ``dim`` too (``k``
-    the product of their sizes): the local tensor was split by those first. Several
-    shard dims were flattened into one group: the shard then lives on the data-parallel
-    mesh (flattened, and ``(replicate, shard)`` under HSDP) in the first shard dim's place."""
-    mesh = spmd.mesh
-    out = list(placements)
-    for i in spmd.shard:
-        split = math.prod(
-            mesh.size(j) for j in range(i + 1, mesh.ndim) if isinstance(out[j], Shard) and out[j].dim == dim
-        )
-        out[i] = _StridedShard(dim, split_factor=split) if split > 1 and isinstance(fsdp, Shard) else fsdp
-    if len(spmd.shard) <= 1:  # one shard dim, or none (replicas only)
-        return mesh, tuple(out)
-    names = mesh.mesh_dim_names
-    assert names is not None
-    meshes: list[DeviceMesh] = []
-    spec: list[Placement] = []
-    for i in range(mesh.ndim):
-        if i == spmd.shard[0]:
-            meshes.append(spmd.dp_mesh)
-            spec.extend([Replicate(), out[i]] if spmd.replicate else [out[i]])
-        elif i not in spmd.dp:
-            meshes.append(mesh[names[i]])
-            spec.append(out[i])
-    return DeviceMesh._concatenate(meshes), tuple(spec)
-
-
-def _concatenate(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
-    """The mesh of the data-parallel dimensions followed by the TP ones: both must be
-    slices of one named mesh (``init_device_mesh(..., mesh_dim_names=...)``)."""
-    concatenate = getattr(DeviceMesh, "_concatenate", None)
-    if concatenate is None or dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
-        raise ValueError(
-            f"parameter {fqn} is a DTensor on the mesh {tp_mesh}; fully_shard composes it with the "
-            f"data-parallel mesh {dp_mesh} only when both are named slices of one mesh: build "
-            "mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')), parallelize over mesh['tp'] "
-            "and pass mesh['dp'] to fully_shard"
-        )
-    try:
-        return concatenate([dp_mesh, tp_mesh])
-    except RuntimeError as e:
-        raise ValueError(
-            f"parameter {fqn} is a DTensor on {tp_mesh}, which does not combine with the data-parallel "
-            f"mesh {dp_mesh} ({e}); slice both from one mesh built with init_device_mesh"
-        ) from e
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))

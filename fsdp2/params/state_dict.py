@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .param import FSDPParam, make_dtensor
+from .dtensor import make_dtensor
+from .param import FSDPParam
 
 
 class StateDictError(ValueError, RuntimeError):

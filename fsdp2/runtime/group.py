@@ -44,14 +44,12 @@ from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from ..params.shared import SharedParam
 from .calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
+from .group_backward import GroupBackward
 from .group_setup import (
     ShardState,
     TrainingState,
     UnshardChecks,
-    adoptable_replacements,
     build_buckets,
-    join_reduces,
-    rebucket,
 )
 from .tree import cast_floating
 
@@ -77,12 +75,7 @@ class StepContext(Protocol):
     def reset(self) -> None: ...
 
 
-# Backward prefetches of in-place buckets start behind the reduce in storage still in
-# flight (``RootContext.reduce_in_flight``); False lets both hold memory at once.
-PREFETCH_BEHIND_REDUCE = True
-
-
-class ParamGroup:
+class ParamGroup(GroupBackward):
     """The parameters of one ``fully_shard`` call, bucketed by dtype."""
 
     def __init__(
@@ -238,38 +231,6 @@ class ParamGroup:
         ``FlatBucket.direct``), with no autograd node or copy of ours in backward."""
         return all(b.direct for b in self.buckets)
 
-    def rebind(self) -> None:
-        """After ``module._apply``: adopt the new parameter data, once every module of the
-        group has been converted (``to_empty`` reaches the modules of a list one by one)."""
-        self.reshard()
-        self.checks.forget()
-        current = [[p.owners[0][0]._parameters[p.owners[0][1]] for p in b.params] for b in self.buckets]
-        if len({t.device for ts in current for t in ts}) > 1 or any(len({t.dtype for t in ts}) > 1 for ts in current):
-            return  # another module's _apply will finish the conversion
-        for b in self.buckets:
-            b.rebind()
-        join_reduces(self.buckets)  # which buckets reduce alike follows their dtypes
-
-    def adopt_reassigned(self) -> None:
-        """At lazy init: parameters reassigned since ``fully_shard`` (``module.weight =
-        nn.Parameter(dtensor)``, e.g. by a custom initializer) become the sharded
-        parameters, their values copied into the group's storage; parameters whose local
-        tensors gained all-gather hooks since (bound to the object, as torch's tests do)
-        move to the extension path, the group's buckets built anew (torch too looks for
-        the hooks at lazy init)."""
-        if adoptable_replacements(self.params):
-            self.rebind()
-        # Every parameter checked before any moves (a refused one leaves the group as it was).
-        gained = [(p, wrapper) for p in self.params for found, wrapper in [p.gained_extension()] if found]
-        for p, wrapper in gained:
-            p.take_extension(wrapper)
-        if gained:
-            self.reshard()
-            self.checks.forget()
-            self.buckets = rebucket(self.params, self.buckets, self.comm, self.mp_policy, self.offload_policy)
-            self.set_reshard_after_forward(self.reshard_after_forward_arg)
-            self.set_name(self.name)
-
     # -------------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.ctx
@@ -339,81 +300,6 @@ class ParamGroup:
         if self.mp_policy.output_dtype is not None:
             return cast_floating(output, self.mp_policy.output_dtype)
         return output
-
-    # ------------------------------------------------------------------- backward
-    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
-        self.calls.started += 1
-        self.pre_backward()
-
-    def pre_backward(self) -> None:
-        ctx = self.ctx
-        assert ctx is not None
-        ctx.on_backward_start()
-        self.training_state = TrainingState.PRE_BACKWARD
-        if self.unshard_in_backward:
-            self.unshard()
-            self.wait_for_unshard()
-        # Overlaps this group's backward compute; behind the reduce still in flight, so
-        # its gathered parameters take the memory that reduce frees (fsdp2.comm.collectives).
-        after = ctx.reduce_in_flight() if PREFETCH_BEHIND_REDUCE else None
-        for target in ctx.backward_prefetch_targets(self):
-            target.unshard(after)
-        ctx.free_unreferenced(self)
-
-    def post_backward_node(self, counted: bool) -> None:
-        """``_PostBackward.backward``: one forward call's backward is complete."""
-        if self.ctx is not None:
-            self.ctx.on_backward_start()
-        if counted:
-            self.calls.pending -= 1
-            # With gradients that may come without a node, e.g. from code that used the
-            # leaves before this call's forward (after ``unshard()``), autograd may still
-            # run that code's backward after this node: Phase 5 does Phase 4.
-            if not self.calls.awaiting:
-                self.post_backward()
-
-    def post_backward(self) -> None:
-        """Phase 4: reshard, move the unsharded gradients into the reduce input and issue
-        this group's reduce-scatters. Without synchronization, gradients stay in the
-        leaves, except those computed in a dtype other than the reduce's: they
-        accumulate in the reduce input, in ``reduce_dtype`` (as torch accumulates
-        them), not in ``param_dtype`` micro-batch after micro-batch."""
-        self.forget_calls()
-        sync = self.requires_gradient_sync and not self.direct
-        if self.reshard_after_backward:
-            if sync:
-                for b in self.buckets:
-                    b.lend_storage()
-            self.reshard()
-        self.training_state = TrainingState.IDLE
-        buckets = [b for b in self.buckets if sync or b.reduce_dtype != b.compute_dtype]
-        if self.direct or not buckets:
-            return  # direct: the end of backward hands the gradients over
-        assert self.ctx is not None
-        self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
-        for b in buckets:
-            b.reduce.deposit_unsharded_grads(sync)
-        if not sync:
-            return
-        for b in buckets:
-            if b.reduce.has_reduced_params():
-                if self.reshard_after_backward:
-                    # Every rank decides alike here, whatever gradients it deposited
-                    # (which ones a rank computed can depend on its data).
-                    b.lend_storage()
-                b.reduce.start(self.divide_factor(b), self.requires_all_reduce)
-                self.ctx.add_pending_reduce(self, b)
-
-    def has_unsharded_grads(self) -> bool:
-        return any(b.reduce.has_unsharded_grads() for b in self.buckets)
-
-    def forget_calls(self) -> None:
-        self.calls.forget()
-
-    def divide_factor(self, bucket: FlatBucket) -> float:
-        """What ``bucket``'s reduced gradients are divided by: the ranks of its mesh (as
-        torch divides each per-parameter mesh's group), or the user's factor."""
-        return float(self.gradient_divide_factor or bucket.comm.dp_size)
 
     def reset(self) -> None:
         """Forget this iteration: reshard, drop deposited gradients and pending work."""

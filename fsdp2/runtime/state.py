@@ -17,6 +17,7 @@ from ..bucket.bucket import FlatBucket
 from ..bucket.commit import run_post_accumulate_hooks
 from ..optim import local_step
 from ..params.shared import raise_deferred
+from .adopt import adopt_reassigned
 from .group import ParamGroup, ShardState, TrainingState
 
 # Reduce-scatters allowed in flight before the oldest is waited for: bounds the
@@ -117,7 +118,7 @@ class RootContext:
                 groups.append(sub_state.group)
         raise_deferred([c for g in groups for c in g.shared_elsewhere], state.module)
         for g in groups:
-            g.adopt_reassigned()
+            adopt_reassigned(g)
         ctx = RootContext(state.group, groups)
         ctx.watch_root_modules()
         fqns = {id(m): name for name, m in state.module.named_modules()}

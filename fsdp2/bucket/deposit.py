@@ -1,0 +1,113 @@
+"""Phase 1 of a bucket's reduce: the leaves' gradients into the reduce input.
+
+A gradient goes into its parameter's columns of the pooled ``W x N`` input (each rank's
+block in its row, ``ShardLayout.write_blocks``), or, when gloo's in-place strategy
+holds the unsharded storage (``storage_lent``), into that storage. The usual backward
+(a gradient for every reduced parameter, all sharded on dim 0) writes them all with
+one ``torch._chunk_cat``. ``BucketReduce`` takes these methods from ``Deposits``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..comm.collectives import traced
+from ..params.param import FSDPParam
+
+if TYPE_CHECKING:
+    from .view import BucketView
+
+
+class ReduceState(Enum):
+    IDLE = auto()  # nothing deposited since the last reduce
+    ACCUMULATING = auto()  # gradients deposited, in the pooled input or the lent storage
+    IN_FLIGHT = auto()  # the reduce is issued, not waited for
+
+
+class Deposits:
+    """Mixin of ``BucketReduce``: depositing gradients. The attributes declared below
+    are ``BucketReduce``'s, and so are ``layout``, ``input2d`` and ``_advance``."""
+
+    bucket: BucketView
+    params: list[FSDPParam]
+    state: ReduceState
+    deposited: list[bool]  # per reduced parameter: a gradient was deposited since the last reduce
+
+    def has_unsharded_grads(self) -> bool:
+        """Some unsharded leaf holds a gradient not yet moved into the reduce input."""
+        return any(p.has_unsharded_grad for p in self.params)
+
+    def deposit_unsharded_grads(self, sync: bool = True) -> None:
+        """Move the leaves' gradients into the reduce input (adding to earlier ones).
+        Without ``sync`` (accumulating), TP gradients still to be reduced over TP wait
+        in the reduce dtype, to be reduced over TP once, with the synchronizing step's."""
+        defer = None if sync else self.bucket.reduce_dtype
+        with torch.no_grad():
+            taken = []
+            for p in self.params:
+                grad = p.take_unsharded_grad(defer)
+                if grad is not None:
+                    taken.append((p, grad))
+            if self._deposit_all_at_once(taken):
+                return
+            for p, grad in taken:
+                self.deposit(p, grad)
+
+    def _deposit_all_at_once(self, taken: list[tuple[FSDPParam, torch.Tensor]]) -> bool:
+        """The usual backward: nothing deposited yet, a gradient for every reduced
+        parameter, all sharded on dim 0 and of the reduce dtype. Then one
+        ``torch._chunk_cat`` writes them all (each cut into ``W`` zero-padded chunks,
+        rank-major: the reduce input's layout) instead of one deposit per parameter.
+        False (nothing done) otherwise."""
+        layout = self.layout()
+        if (
+            self.state is not ReduceState.IDLE
+            or not layout.dim0
+            or len(taken) != len(layout.params) + len(layout.scalars)
+            or self.bucket.storage_lent
+        ):
+            return False
+        sharded = [(p, g) for p, g in taken if not p.is_replicated]
+        dtype = self.bucket.reduce_dtype
+        if len(sharded) != len(layout.params) or any(
+            g.dtype != dtype or not g.is_contiguous() or p is not q for (p, g), q in zip(sharded, layout.params)
+        ):
+            return False
+        self._advance(ReduceState.ACCUMULATING, ReduceState.IDLE)
+        buf = self.input2d()
+        with traced("fsdp2::deposit_grads"):
+            torch._chunk_cat([g for _, g in sharded], 0, buf.shape[0], out=buf[:, : layout.grad_numel])
+        for p in layout.params:
+            self.deposited[p.rs_index] = True
+        for p, grad in taken:
+            if p.is_replicated:
+                self.deposit(p, grad)
+        return True
+
+    def deposit(self, p: FSDPParam, grad: torch.Tensor) -> None:
+        """Add (or copy, if first) ``p``'s unsharded gradient into the reduce input."""
+        layout = self.layout()
+        if p.rs_index < 0:
+            raise AssertionError(f"fsdp2 internal error: gradient for frozen parameter {p.fqn}")
+        self._advance(ReduceState.ACCUMULATING, ReduceState.IDLE, ReduceState.ACCUMULATING)
+        first = not self.deposited[p.rs_index]
+        self.deposited[p.rs_index] = True
+        if self.bucket.storage_lent:
+            self.bucket.in_place.deposit(p, grad, first)
+            return
+        buf = self.input2d()
+        if p.is_replicated:
+            write(buf[:, layout.scalar_base + layout.scalars.index(p)], grad, first)
+            return
+        region = buf[:, layout.offsets[p.rs_index] : layout.offsets[p.rs_index] + p.shard_numel]
+        p.layout.write_blocks(region, grad, accumulate=not first)
+
+
+def write(dst: torch.Tensor, src: torch.Tensor, first: bool) -> None:
+    if first:
+        dst.copy_(src)
+    else:
+        dst.add_(src)
