@@ -31,8 +31,8 @@ Per step, on each stage:
 
 ``adapt_stage(stage)`` does the same for a stage built another way (``build_stage``).
 The stage may be built before its module is sharded (torchtitan's ``pipeline_llm`` builds
-each stage on the unsharded chunk, then applies ``fully_shard``): it finds its groups at
-each call, not at construction.
+each stage on the unsharded chunk, then applies ``fully_shard``): it looks its groups up
+at each call until they have all run a forward, then keeps them.
 """
 
 from __future__ import annotations
@@ -58,19 +58,35 @@ class _Fsdp2Stage(_PipelineStageBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _mark(self.submod)
+        self._fsdp2_groups()
+
+    def _fsdp2_groups(self) -> list[ParamGroup]:
+        """The groups under the stage's module, each marked as driven by this stage (else
+        its first forward refuses to run). Looked up at every call until they have all
+        run a forward, then kept: a stage may be built, or given its module, before the
+        module is sharded (torchtitan's ``pipeline_llm`` shards each chunk after building
+        its stage, then reassigns ``stage.submod``)."""
+        kept = self.__dict__.get("_fsdp2_kept")
+        if kept is not None and kept[0] is self.submod:
+            return kept[1]
+        groups = groups_under(self.submod)
+        for g in groups:
+            g.in_pipeline_stage = True
+        if groups and all(g.ctx is not None for g in groups):
+            self.__dict__["_fsdp2_kept"] = (self.submod, groups)
+        return groups
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-        _mark(self.submod)  # sharded after the stage was built (torchtitan's pipeline_llm)
+        self._fsdp2_groups()  # sharded after the stage was built (torchtitan's pipeline_llm)
         return super().forward_maybe_with_nosync(*args, **kwargs)  # type: ignore[misc]
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         """The schedule's first call: shape inference runs a real forward."""
-        _mark(self.submod)
+        self._fsdp2_groups()
         return super()._prepare_forward_infra(*args, **kwargs)  # type: ignore[misc]
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        groups = groups_under(self.submod)
+        groups = self._fsdp2_groups()
         for g in groups:  # Phase 1
             g.requires_gradient_sync = g.reshard_after_backward = False
             if g.ctx is not None:
@@ -81,20 +97,20 @@ class _Fsdp2Stage(_PipelineStageBase):
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)  # type: ignore[misc]
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        for ctx in _contexts(groups_under(self.submod)):  # Phase 2
+        for ctx in _contexts(self._fsdp2_groups()):  # Phase 2
             ctx.reduce_accumulated()
         super().perform_reduce_grad(grad_scale_factor)  # type: ignore[misc]
 
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
         """Shape inference runs a real backward: nothing of it is reduced."""
-        for g in groups_under(self.submod):
+        for g in self._fsdp2_groups():
             g.requires_gradient_sync = False
         return super()._prepare_backward_infra(*args, **kwargs)  # type: ignore[misc]
 
     def _post_metadata_inference_cleanup(self) -> None:
         """Shape inference ran a real forward and backward: forget all of it."""
         super()._post_metadata_inference_cleanup()  # type: ignore[misc]
-        groups = groups_under(self.submod)
+        groups = self._fsdp2_groups()
         for ctx in _contexts(groups):
             ctx.reset()
         for g in groups:
@@ -112,17 +128,8 @@ def adapt_stage(stage: Any) -> Any:
     cls = type(stage)
     if not issubclass(cls, _Fsdp2Stage):
         stage.__class__ = type(f"Fsdp2{cls.__name__}", (_Fsdp2Stage, cls), {"__module__": __name__})
-    _mark(stage.submod)
+    stage._fsdp2_groups()
     return stage
-
-
-def _mark(submod: nn.Module) -> None:
-    """Tell the stage's groups who drives them (else their first forward refuses to run).
-    At construction and again before every forward: a stage may be built before its
-    module is sharded (torchtitan's ``pipeline_llm`` shards each chunk after building its
-    stage, then reassigns ``stage.submod``)."""
-    for g in groups_under(submod):
-        g.in_pipeline_stage = True
 
 
 def _contexts(groups: list[ParamGroup]) -> list[Any]:
