@@ -46,6 +46,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples"
 
 from _comm import CommCounter  # noqa: E402
 from _dist import run_ranks  # noqa: E402
+from alternate import Alternated, alternate, in_fresh_process, median_ms  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 MODELS = {
@@ -94,30 +96,17 @@ def step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tenso
     return loss.item()
 
 
-def _speed_worker(rank: int, world: int, name: str, libs: list[str], steps: int, warmup: int) -> dict:
+def tokens_of(spec: dict, gen: torch.Generator) -> Callable[[], torch.Tensor]:
+    """A batch of random token ids for ``spec``'s model, drawn from ``gen``."""
+    return lambda: torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
+
+
+def _speed_worker(rank: int, world: int, name: str, libs: list[str], steps: int, warmup: int) -> Alternated:
     spec = MODELS[name]
     torch.manual_seed(0)
     built = {lib: build(lib, spec) for lib in libs}
     gen = torch.Generator().manual_seed(rank)
-    times: dict[str, list[float]] = {lib: [] for lib in libs}
-    losses: dict[str, list[float]] = {lib: [] for lib in libs}
-    for i in range(warmup + steps):
-        tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
-        order = libs if i % 2 == 0 else libs[::-1]
-        for lib in order:
-            if world > 1:
-                dist.barrier()
-            start = time.perf_counter()
-            losses[lib].append(step(*built[lib], tokens))
-            if i >= warmup:
-                times[lib].append(time.perf_counter() - start)
-    comms = {}
-    for lib in libs:
-        tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
-        with CommCounter().active() as counter:
-            step(*built[lib], tokens)
-        comms[lib] = (dict(counter.calls), dict(counter.bytes))
-    return {"times": times, "comms": comms, "losses": losses}
+    return alternate(built, lambda b, tokens: step(*b, tokens), tokens_of(spec, gen), steps, warmup, count=True)
 
 
 def _rss_mb() -> float:
@@ -141,15 +130,15 @@ def bench_speed(name: str, steps: int, warmup: int) -> None:
     results = run_ranks(_speed_worker, spec["world"], name, libs, steps, warmup, timeout=1800)
     n_params = sum(p.numel() for p in Transformer(spec["args"]).parameters())
     print(f"\n== {name}: {n_params / 1e6:.2f}M params, {spec['args'].n_layers} blocks of width {spec['args'].dim}, world {spec['world']}, {steps} steps")
-    med = {lib: statistics.median(t for r in results for t in r["times"][lib]) * 1e3 for lib in libs}
+    med = median_ms({lib: [t for r in results for t in r.times[lib]] for lib in libs})
     base = libs[0]
     for lib in libs:
-        calls, nbytes = results[0]["comms"][lib]
+        calls, nbytes = results[0].comms[lib]
         comm = ", ".join(f"{k} {calls[k]} calls {nbytes[k] / 2**20:.2f} MiB" for k in sorted(calls)) or "none"
         print(f"  {lib:6s} median step {med[lib]:8.2f} ms | per step: {comm}")
     ratio = med["fsdp2"] / med[base]
     print(f"  ratio fsdp2/{base} step time: {ratio:.3f}")
-    same = all(abs(a - b) < 1e-4 for r in results for a, b in zip(r["losses"][base], r["losses"]["fsdp2"]))
+    same = all(abs(a - b) < 1e-4 for r in results for a, b in zip(r.losses[base], r.losses["fsdp2"]))
     print(f"  losses agree with {base}: {same}")
 
 
@@ -184,10 +173,10 @@ class _MuonNet(torch.nn.Module):
 
 
 def _muon_worker(rank: int, world: int, steps: int) -> dict:
+    import torch.distributed.fsdp as torch_fsdp
     from torch.utils.flop_counter import FlopCounterMode
 
     import fsdp2
-    import torch.distributed.fsdp as torch_fsdp
 
     built = {}
     for lib_name, lib, muon_cls in (("torch", torch_fsdp, torch.optim.Muon), ("fsdp2", fsdp2, fsdp2.optim.Muon)):
@@ -230,18 +219,15 @@ def _clip_worker(rank: int, world: int, steps: int) -> dict:
         model, _ = build(lib, spec)
         tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=torch.Generator().manual_seed(rank))
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        built[lib] = model
-    times: dict[str, list[float]] = {lib: [] for lib in fns}
-    norms = {}
-    for i in range(steps + 2):
-        for lib in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
-            dist.barrier()
-            start = time.perf_counter()
-            norm = fns[lib](built[lib].parameters(), 1e9)  # max_norm above the norm: nothing changes
-            norms[lib] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            if i >= 2:
-                times[lib].append(time.perf_counter() - start)
-    return {"times": times, "norms": norms}
+        built[lib] = (fns[lib], model)
+
+    def clip(entry: tuple[Callable, torch.nn.Module], _: None) -> float:
+        fn, model = entry
+        norm = fn(model.parameters(), 1e9)  # max_norm above the norm: nothing changes
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    run = alternate(built, clip, lambda: None, steps, 2)
+    return {"times": run.times, "norms": {lib: losses[-1] for lib, losses in run.losses.items()}}
 
 
 def bench_optim(steps: int) -> None:
@@ -317,8 +303,9 @@ def _host_worker(kind: str, world: int, steps: int, queue: Any) -> None:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # gathered buffers hold whatever memory held: keep compute speed fair
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    import fsdp2
     import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp2
 
     built = {}
     for lib_name, lib in (("local", None), ("torch", torch_fsdp), ("fsdp2", fsdp2)):
@@ -335,35 +322,23 @@ def _host_worker(kind: str, world: int, steps: int, queue: Any) -> None:
 
 def median_step_ms(built: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]], steps: int) -> dict[str, float]:
     """Each entry's median step (loss, backward, optimizer step) in ms: ``steps`` after 2
-    warm-up ones, the entries stepped alternately forwards and backwards."""
-    times: dict[str, list[float]] = {name: [] for name in built}
-    for i in range(steps + 2):
-        for name in (list(built) if i % 2 == 0 else list(built)[::-1]):
-            model, opt, loss = built[name]
-            start = time.perf_counter()
-            loss(model).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if i >= 2:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    warm-up ones, the entries stepped alternately."""
+
+    def loss_step(entry: tuple[torch.nn.Module, torch.optim.Optimizer, Any], _: None) -> None:
+        model, opt, loss = entry
+        loss(model).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return median_ms(alternate(built, loss_step, lambda: None, steps, 2).times)
 
 
 def bench_host(steps: int) -> None:
     """fsdp2's and torch's time added to the plain local step, on the fake process group
     (collectives free: what remains is compute and each library's host work)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
     print(f"\n== host overhead: one rank on the fake process group, {steps} steps, AdamW")
     for label, (kind, world) in HOST.items():
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_host_worker, args=(kind, world, steps, queue))
-        proc.start()
-        proc.join()
-        if queue.empty():
-            raise RuntimeError(f"host benchmark {label} failed (its traceback is above)")
-        med = queue.get()
+        med = in_fresh_process(_host_worker, kind, world, steps)
         added = {lib: med[lib] - med["local"] for lib in ("torch", "fsdp2")}
         print(
             f"  {label:8s} local {med['local']:7.2f} ms | torch +{added['torch']:7.2f} ms | fsdp2 +{added['fsdp2']:7.2f} ms"

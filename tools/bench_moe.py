@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -31,8 +29,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]
 
-from _comm import CommCounter  # noqa: E402
 from _dist import run_ranks  # noqa: E402
+from alternate import Alternated, alternate, in_fresh_process, median_ms  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from moe import expert_placement_fn, moe_meshes, parallelize_experts, scale_expert_grads  # noqa: E402
 
@@ -73,27 +71,11 @@ def step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tenso
     return loss.item()
 
 
-def _speed_worker(rank: int, world: int, ep: int, steps: int, warmup: int) -> dict:
-    libs = ["torch", "fsdp2"]
-    built = {lib: build(lib, SPEED, ep) for lib in libs}
+def _speed_worker(rank: int, world: int, ep: int, steps: int, warmup: int) -> Alternated:
+    built = {lib: build(lib, SPEED, ep) for lib in ("torch", "fsdp2")}
     gen = torch.Generator().manual_seed(rank)
-    times: dict[str, list[float]] = {lib: [] for lib in libs}
-    losses: dict[str, list[float]] = {lib: [] for lib in libs}
-    for i in range(warmup + steps):
-        tokens = torch.randint(0, SPEED.vocab_size, (BATCH, SEQ + 1), generator=gen)
-        for lib in libs if i % 2 == 0 else libs[::-1]:
-            dist.barrier()
-            start = time.perf_counter()
-            losses[lib].append(step(*built[lib], tokens, ep))
-            if i >= warmup:
-                times[lib].append(time.perf_counter() - start)
-    comms = {}
-    for lib in libs:
-        tokens = torch.randint(0, SPEED.vocab_size, (BATCH, SEQ + 1), generator=gen)
-        with CommCounter().active() as counter:
-            step(*built[lib], tokens, ep)
-        comms[lib] = dict(counter.calls)
-    return {"times": times, "comms": comms, "losses": losses}
+    tokens = lambda: torch.randint(0, SPEED.vocab_size, (BATCH, SEQ + 1), generator=gen)  # noqa: E731
+    return alternate(built, lambda b, t: step(*b, t, ep), tokens, steps, warmup, count=True)
 
 
 def _memory_worker(rank: int, world: int, lib: str, ep: int, steps: int) -> float:
@@ -111,10 +93,10 @@ def bench_speed(steps: int, warmup: int, ep: int = 2) -> None:
     n_params = sum(p.numel() for p in Transformer(SPEED).parameters())
     print(f"\n== moe: {n_params / 1e6:.2f}M params, {SPEED.n_layers} blocks of {SPEED.n_experts} experts "
           f"(top-{SPEED.top_k}), world 4, ep {ep}, {steps} steps")
-    med = {lib: statistics.median(t for r in res for t in r["times"][lib]) * 1e3 for lib in ("torch", "fsdp2")}
+    med = median_ms({lib: [t for r in res for t in r.times[lib]] for lib in ("torch", "fsdp2")})
     for lib in ("torch", "fsdp2"):
-        print(f"  {lib:6s} median step {med[lib]:8.2f} ms | collectives per step: {res[0]['comms'][lib]}")
-    same = all(abs(a - b) < 1e-4 for r in res for a, b in zip(r["losses"]["torch"], r["losses"]["fsdp2"]))
+        print(f"  {lib:6s} median step {med[lib]:8.2f} ms | collectives per step: {res[0].comms[lib][0]}")
+    same = all(abs(a - b) < 1e-4 for r in res for a, b in zip(r.losses["torch"], r.losses["fsdp2"]))
     print(f"  ratio fsdp2/torch step time: {med['fsdp2'] / med['torch']:.3f} | losses agree: {same}")
 
 
@@ -141,9 +123,8 @@ def _local_dispatch(moe: Any, rows: torch.Tensor, counts: torch.Tensor) -> torch
 
 
 def _host_worker(world: int, ep: int, steps: int, queue: Any) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     import model as model_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -154,28 +135,12 @@ def _host_worker(world: int, ep: int, steps: int, queue: Any) -> None:
         torch.manual_seed(0)
         built[lib] = build(lib, HOST, ep)
     tokens = torch.randint(0, HOST.vocab_size, (1, 17))
-    times: dict[str, list[float]] = {lib: [] for lib in built}
-    for i in range(steps + 2):
-        for lib in list(built) if i % 2 == 0 else list(built)[::-1]:
-            start = time.perf_counter()
-            step(*built[lib], tokens, ep)
-            if i >= 2:
-                times[lib].append(time.perf_counter() - start)
-    queue.put({lib: statistics.median(t) * 1e3 for lib, t in times.items()})
+    queue.put(median_ms(alternate(built, lambda b, t: step(*b, t, ep), lambda: tokens, steps, 2).times))
     dist.destroy_process_group()
 
 
 def bench_host(steps: int, world: int = 64, ep: int = 8) -> None:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_host_worker, args=(world, ep, steps, queue))
-    proc.start()
-    proc.join()
-    if queue.empty():
-        raise RuntimeError("moe host benchmark failed (its traceback is above)")
-    med = queue.get()
+    med = in_fresh_process(_host_worker, world, ep, steps)
     added = {lib: med[lib] - med["local"] for lib in ("torch", "fsdp2")}
     print(f"\n== moe host overhead: one rank of {world} on the fake process group, ep {ep}, "
           f"{HOST.n_layers} blocks of {HOST.n_experts} experts, {steps} steps, AdamW")

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -29,8 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples"), os.path.join(ROOT, "tools")]
 
 import bench  # noqa: E402
-from _comm import CommCounter  # noqa: E402
 from _dist import run_ranks  # noqa: E402
+from alternate import Alternated, alternate, in_fresh_process, median_ms  # noqa: E402
 from model import Transformer  # noqa: E402
 
 # name -> MixedPrecisionPolicy keywords (``torch``: torch's fully_shard, float32)
@@ -64,28 +62,12 @@ def build(variant: str, args: Any, meta: bool = False) -> tuple[torch.nn.Module,
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _wire_worker(rank: int, world: int, steps: int, warmup: int) -> dict:
+def _wire_worker(rank: int, world: int, steps: int, warmup: int) -> Alternated:
     spec = bench.MODELS["wide"]
     torch.manual_seed(0)
     built = {v: build(v, spec["args"]) for v in VARIANTS}
     gen = torch.Generator().manual_seed(rank)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    names = list(VARIANTS)
-    for i in range(warmup + steps):
-        tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
-        for v in names if i % 2 == 0 else names[::-1]:
-            dist.barrier()
-            start = time.perf_counter()
-            bench.step(*built[v], tokens)
-            if i >= warmup:
-                times[v].append(time.perf_counter() - start)
-    comms = {}
-    for v in names:
-        tokens = torch.randint(0, spec["args"].vocab_size, (spec["batch"], spec["seq"] + 1), generator=gen)
-        with CommCounter().active() as counter:
-            bench.step(*built[v], tokens)
-        comms[v] = dict(counter.bytes)
-    return {"times": times, "comms": comms}
+    return alternate(built, lambda b, tokens: bench.step(*b, tokens), bench.tokens_of(spec, gen), steps, warmup, count=True)
 
 
 def bench_wire(steps: int, warmup: int) -> None:
@@ -93,10 +75,10 @@ def bench_wire(steps: int, warmup: int) -> None:
     args = bench.MODELS["wide"]["args"]
     n_params = sum(p.numel() for p in Transformer(args).parameters())
     print(f"\n== quantized communication: wide model {n_params / 1e6:.2f}M params, gloo {WORLD} ranks, {steps} steps")
-    comms = results[0]["comms"]
+    comms = {v: nbytes for v, (_, nbytes) in results[0].comms.items()}
     base = comms["fp32"]
     bf16 = comms["bf16"]
-    med = {v: statistics.median(t for r in results for t in r["times"][v]) * 1e3 for v in VARIANTS}
+    med = median_ms({v: [t for r in results for t in r.times[v]] for v in VARIANTS})
     print("  | variant | all-gather MiB/step | x fp32 | x bf16 | reduce MiB/step | x fp32 | step ms | x fp32 step |")
     print("  | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for v in VARIANTS:
@@ -133,16 +115,7 @@ def _host_worker(world: int, steps: int, queue: Any) -> None:
 
 
 def bench_host(steps: int, world: int = 8) -> None:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_host_worker, args=(world, steps, queue))
-    proc.start()
-    proc.join()
-    if queue.empty():
-        raise RuntimeError("quantized host benchmark failed (its traceback is above)")
-    med = queue.get()
+    med = in_fresh_process(_host_worker, world, steps)
     print(f"\n== quantized communication, host: deep model, one rank of {world} on the fake process group, {steps} steps")
     total = {v: med[v] for v in med if v != "local"}
     for v, ms in total.items():
