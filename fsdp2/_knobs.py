@@ -43,8 +43,8 @@ class CommKnobs:
                 raise ValueError("set_all_reduce_hook(stream=...) cannot be set with native HSDP (a 2D mesh)")
             if mesh.device_type == "cpu":
                 raise ValueError("set_all_reduce_hook(stream=...): streams exist on accelerators only; pass None on CPU")
+        group.user_comm.all_reduce_hook = hook
         for b in group.buckets:
-            b.reduce.hook = hook
             b.update_direct()  # one rank without a dtype change: reduce (a copy) all the same
 
     def set_custom_all_gather(self, comm: Any) -> None:
@@ -55,8 +55,7 @@ class CommKnobs:
         _check_comm("set_custom_all_gather", comm)
         _check_one_mesh("set_custom_all_gather", self._fsdp2_state.group, "collective")
         _check_not_quantized("set_custom_all_gather", comm, self._fsdp2_state.group, "gather")
-        for b in self._fsdp2_state.group.buckets:
-            b.custom_all_gather = comm
+        self._fsdp2_state.group.user_comm.all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this module's gradients with ``comm`` (torch's
@@ -68,8 +67,9 @@ class CommKnobs:
         _check_comm("set_custom_reduce_scatter", comm)
         _check_one_mesh("set_custom_reduce_scatter", self._fsdp2_state.group, "collective")
         _check_not_quantized("set_custom_reduce_scatter", comm, self._fsdp2_state.group, "reduce")
-        for b in self._fsdp2_state.group.buckets:
-            b.reduce.custom = comm
+        group = self._fsdp2_state.group
+        group.user_comm.reduce_scatter = comm
+        for b in group.buckets:
             b.update_direct()
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
@@ -86,8 +86,7 @@ class CommKnobs:
         for; here it only decides ``None`` or zeros."""
         check_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
         for g in self._target_groups(recurse):
-            for b in g.buckets:
-                b.reduce.zero_unused = reduce_scatter_unused_params
+            g.user_comm.zero_unused = reduce_scatter_unused_params
 
     def set_post_optim_event(self, event: Any) -> None:
         """An event recorded after the optimizer step for the all-gather streams to wait

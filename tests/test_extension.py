@@ -18,16 +18,17 @@ import functools
 import threading
 from typing import Any
 
+import _subclass
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-
-import _subclass
 from _comm import CommCounter
 from _dist import run_ranks
 from _models import batch, copy_full_into_sharded, full_params, impl, loss_fn
 from _models import worst as _worst
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp2
 
 LIBS = ("fsdp2", "torch")
 CASES = {
@@ -176,11 +177,32 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t._inner if isinstance(t, _subclass.Doubled) else t
 
 
-def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
-    return {
+def _bound_after_first_forward(rank: int, world: int) -> dict[str, Any]:
+    """Hooks bound to a plain weight's local tensor after the first forward: the next
+    unshard raises before anything changed, and the module still shows its shards."""
+    torch.manual_seed(0)
+    model = Net(8).double()
+    for layer in (model.fc1, model.fc2):
+        fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    ids, _ = batch(0, 2 * world)
+    model(ids.chunk(world)[rank]).sum().backward()
+    sharded = model.fc1.weight
+    _subclass.bind_hooks(sharded._local_tensor)
+    try:
+        model(ids.chunk(world)[rank])
+    except RuntimeError as e:
+        return {"error": str(e), "still_sharded": model.fc1.weight is sharded}
+    return {"error": None}
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
         lib_name: {name: _run(impl(lib_name), rank, world, cfg, count=True) for name, cfg in CASES.items()}
         for lib_name in LIBS
     }
+    out["bound_after_first_forward"] = _bound_after_first_forward(rank, world)
+    return out
 
 
 @functools.cache
@@ -205,6 +227,13 @@ def test_subclass_all_gather_extension(lib_name: str, case: str) -> None:
         if CASES[case]["cls"] == "Stateful":  # every gather of step s > 0 saw the tag set after step s-1
             k = len(res["tags_seen"]) // 3
             assert k and res["tags_seen"] == [None] * k + [1] * k + [2] * k, res
+
+
+def test_hooks_bound_after_the_first_forward_are_refused_before_anything_changes() -> None:
+    for out in _spawned():
+        res = out["bound_after_first_forward"]
+        assert res["error"] is not None and "fc1.weight gained fsdp_pre_all_gather after" in res["error"], res
+        assert "Bind them before the first forward" in res["error"] and res["still_sharded"], res
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -243,8 +272,9 @@ JOINED = {
 
 
 def _joined(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    import fsdp2
     from _models import force_in_place
+
+    import fsdp2
 
     if cfg.get("in_place"):
         force_in_place()  # this rank's process only, and the last scenario

@@ -291,7 +291,7 @@ def _custom_collective_refused(rank: int, world: int) -> str:
     try:
         model.set_custom_all_gather(Comm())
     except ValueError as e:
-        assert model._fsdp2_state.group.buckets[0].custom_all_gather is None  # nothing changed
+        assert model._fsdp2_state.group.buckets[0].user.all_gather is None  # nothing changed
         model.set_custom_reduce_scatter(Comm())  # the reduce is not quantized: allowed
         return str(e)
     return ""

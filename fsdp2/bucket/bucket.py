@@ -41,6 +41,7 @@ from .offload import HostOffload
 from .quant.gather import QuantizedGather
 from .quant.spec import NO_QUANTIZATION, QuantizedComm
 from .reduce import BucketReduce
+from .user_comm import UserComm
 
 
 class FlatBucket:
@@ -57,6 +58,7 @@ class FlatBucket:
         reduce_dtype: torch.dtype,
         offload: HostOffload | None = None,
         quant: QuantizedComm = NO_QUANTIZATION,
+        user: UserComm | None = None,
     ) -> None:
         self.params = params
         self.quant = quant  # what ``MixedPrecisionPolicy`` asks to quantize (``fsdp2.bucket.quant``)
@@ -90,7 +92,7 @@ class FlatBucket:
         self.riders: list[FlatBucket] = []
         self._flat_alias: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kept = KeptCopy(self)
-        self.custom_all_gather: Any = None  # ``set_custom_all_gather``'s collective, if any
+        self.user = user if user is not None else UserComm()  # the group's ``set_*`` choices
         self.follows_dtype = (True, True)  # (compute, reduce) follow ``dtype`` on ``rebind``
         self.reduce = BucketReduce(self)
         self.commit = GradCommit(self)

@@ -92,7 +92,7 @@ class GradCommit:
         ``zero_unused``, trainable parameters the group's backward gave no gradient get
         zeros, as a reduce would give them."""
         params = self.bucket.params
-        if backward_ran and self.bucket.reduce.zero_unused:
+        if backward_ran and self.bucket.user.zero_unused:
             for p in params:
                 leaf = p.unsharded
                 if leaf is not None and leaf.requires_grad and not p.has_unsharded_grad:

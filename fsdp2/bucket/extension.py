@@ -69,7 +69,7 @@ class ExtensionGather:
         inputs = self.collect(mp_policy)
         for r in self._riding:
             ext = r.extension_gather
-            inputs += ext.collect(r.mp_policy) if ext is not None else [_rider_input(r)]
+            inputs += ext.collect(r.mp_policy) if ext is not None else [r.gather.carried_input()]
         flat_inputs = [t.reshape(-1).view(torch.uint8) for t in inputs]
         numel = sum(t.numel() for t in flat_inputs)
         world, device = b.comm.shard_size, b.device
@@ -121,7 +121,7 @@ class ExtensionGather:
             col = self.take(gathered, 0)
             for r in self._riding:
                 ext = r.extension_gather
-                col = ext.take(gathered, col) if ext is not None else _rider_take(r, gathered, col)
+                col = ext.take(gathered, col) if ext is not None else r.gather.take_carried(gathered, col)
         for buf in self._buffers:
             if buf is not None:
                 b.comm.pool.release(buf)
@@ -209,33 +209,3 @@ def _realloc(t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     if storage.nbytes() < nbytes + t.storage_offset() * t.element_size():
         storage.resize_(nbytes + t.storage_offset() * t.element_size())
-
-
-def _rider_input(r: BucketView) -> torch.Tensor:
-    """A plain rider's all-gather input: its shards, in its compute dtype (on the device)."""
-    source = r.sharded_flat[: r.shard_numel]
-    if r.offload is not None:
-        source = r.offload.to_compute(source)
-    if r.compute_dtype != r.dtype:
-        with traced("fsdp2::cast_for_all_gather"):
-            source = source.to(r.compute_dtype)
-    return source
-
-
-def _rider_take(r: BucketView, gathered: torch.Tensor, col: int) -> int:
-    """A plain rider's gathered blocks into its unsharded storage (as ``BucketGather``
-    copies them out); returns the next column."""
-    r.alloc_unsharded()
-    size = r.compute_dtype.itemsize
-    rows = gathered[:, col : col + r.shard_numel * size]
-    if r.blocks_are_the_values:  # byte copies: the rider's columns need not align to its dtype
-        at = 0
-        for p, region in zip(r.sharded_params, r.regions):
-            n = p.shard_numel * size
-            region.view(torch.uint8).copy_(rows[:, at : at + n])
-            at += n
-    else:
-        blocks = torch.empty(rows.shape[0], r.shard_numel, dtype=r.compute_dtype, device=rows.device)
-        blocks.view(torch.uint8).copy_(rows)
-        r.gather.copy_out(blocks)
-    return col + r.shard_numel * size

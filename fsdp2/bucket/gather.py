@@ -91,27 +91,23 @@ class BucketGather:
             return
         comm = b.comm
         if b.extension_gather is not None:
-            b.extension_gather.start(comm.shard_group, b.mp_policy, b.custom_all_gather)
+            b.extension_gather.start(comm.shard_group, b.mp_policy, b.user.all_gather)
             return
         if from_partial and self.target is not None and self.partial is not None:
             source, group = self.partial, self.target.group
         else:
             source, group = b.sharded_flat[: b.shard_numel], comm.shard_group
-            if b.in_place is not None and b.in_place.gathers and b.custom_all_gather is None:
+            if b.in_place is not None and b.in_place.gathers and b.user.all_gather is None:
                 if after is not None and not after.done() and not debug_enabled():
                     issue = functools.partial(self._start_in_place, source)
                     self._issue = comm.local.gather_queue.issue_after(after, issue)
                 else:
                     self._start_in_place(source)
                 return
-            if b.offload is not None:
-                source = b.offload.to_compute(source)
-            if b.compute_dtype != b.dtype:
-                with traced("fsdp2::cast_for_all_gather"):
-                    source = source.to(b.compute_dtype)
+            source = self.compute_input(source)
         self.input = source
         label = f"all-gather of {b.name}"
-        custom = b.custom_all_gather
+        custom = b.user.all_gather
         if custom is not None:
             numel = group.size() * source.numel()
             output = self.buf = custom.allocate((numel,), dtype=b.compute_dtype, device=source.device)
@@ -122,6 +118,17 @@ class BucketGather:
         self._pooled = True
         output = self.buf[: comm.shard_size * b.shard_numel]
         self._pending = all_gather_flat(source, output, group, label=label)
+
+    def compute_input(self, shards: torch.Tensor) -> torch.Tensor:
+        """The all-gather input made of this bucket's ``shards``: on the device (copied
+        there when offloaded), in the compute dtype."""
+        b = self.bucket
+        if b.offload is not None:
+            shards = b.offload.to_compute(shards)
+        if b.compute_dtype != b.dtype:
+            with traced("fsdp2::cast_for_all_gather"):
+                shards = shards.to(b.compute_dtype)
+        return shards
 
     def _start_in_place(self, shard: torch.Tensor) -> None:
         b = self.bucket
@@ -238,6 +245,28 @@ class RidingGather(BucketGather):
 
     def start(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
         return  # issued with the carrier's
+
+    def carried_input(self) -> torch.Tensor:
+        """Its rows of the carrier's all-gather (a plain bucket's: an extension bucket's
+        come from its hooks, ``ExtensionGather.collect``)."""
+        b = self.bucket
+        return self.compute_input(b.sharded_flat[: b.shard_numel])
+
+    def take_carried(self, gathered: torch.Tensor, col: int) -> int:
+        """Its gathered blocks, columns ``col`` onwards of the carrier's ``W x bytes`` rows,
+        into its unsharded storage (as ``copy_out`` does); returns the next column."""
+        b = self.bucket
+        b.alloc_unsharded()
+        nbytes = b.shard_numel * b.compute_dtype.itemsize
+        rows = gathered[:, col : col + nbytes]
+        if b.blocks_are_the_values:  # byte copies: its columns need not align to its dtype
+            sizes = [p.shard_numel * b.compute_dtype.itemsize for p in b.sharded_params]
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[r.view(torch.uint8) for r in b.regions])
+        else:
+            blocks = torch.empty(rows.shape[0], b.shard_numel, dtype=b.compute_dtype, device=rows.device)
+            blocks.view(torch.uint8).copy_(rows)
+            self.copy_out(blocks)
+        return col + nbytes
 
     def finish(self) -> None:
         b = self.bucket

@@ -21,8 +21,7 @@ writes their ``.grad``) and theirs reduce nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -65,11 +64,7 @@ class BucketReduce(Deposits):
         # HSDP with ``set_requires_all_reduce(False)``: this rank's reduced row, summed over
         # the shard ranks only, waiting for the next backward that all-reduces.
         self._unreplicated: torch.Tensor | None = None
-        self.hook: Callable[[torch.Tensor], None] | None = None  # ``set_all_reduce_hook``
-        self.custom: Any = None  # ``set_custom_reduce_scatter``'s collective, if any
-        # ``set_reduce_scatter_unused_params(True)``: parameters no rank computed a gradient
-        # for get zeros (reduced like the others) instead of None.
-        self.zero_unused = False
+        self.user = bucket.user  # the group's ``set_*`` choices (hook, collective, zeros)
         # ``MixedPrecisionPolicy(quantize_reduce=...)``: the reduce's encoding, if any.
         spec = bucket.quant.reduce
         self.quant = QuantizedReduce(spec) if spec is not None else None
@@ -77,14 +72,14 @@ class BucketReduce(Deposits):
     @property
     def is_plain(self) -> bool:
         """No user hook or collective: the in-place strategy may take the reduce."""
-        return self.hook is None and self.custom is None
+        return self.user.all_reduce_hook is None and self.user.reduce_scatter is None
 
     def used_flags(self) -> list[bool]:
         """The "used" flag of each reduced parameter, summed over ranks by the reduce: a
         parameter whose sum is 0 keeps ``grad=None``. Every parameter counts as used with
         a user hook (it may combine gradients over ranks the flags know nothing of, and
         torch gives zeros then) or ``zero_unused``."""
-        if self.hook is not None or self.zero_unused:
+        if self.user.all_reduce_hook is not None or self.user.zero_unused:
             return [True] * len(self.deposited)
         return self.deposited
 
@@ -188,9 +183,10 @@ class BucketReduce(Deposits):
             assert self.quant is not None
             self._pending = self.quant.start(buf, layout, comm, label)
             return
-        if self.custom is not None and comm.shard_size > 1:
-            out = self.custom.allocate((layout.numel,), dtype=buf.dtype, device=buf.device)
-            work = self.custom(out, buf.reshape(-1), comm.shard_group, dist.ReduceOp.SUM, async_op=True)
+        custom = self.user.reduce_scatter
+        if custom is not None and comm.shard_size > 1:
+            out = custom.allocate((layout.numel,), dtype=buf.dtype, device=buf.device)
+            work = custom(out, buf.reshape(-1), comm.shard_group, dist.ReduceOp.SUM, async_op=True)
             self._pending = Pending(work, out, label)
             return
         gloo = self.bucket.gloo
@@ -238,8 +234,9 @@ class BucketReduce(Deposits):
                 self.release_buffers()
                 return None
             result = summed
-        if self.hook is not None:
-            self.hook(result[: layout.flags_base])
+        hook = self.user.all_reduce_hook
+        if hook is not None:
+            hook(result[: layout.flags_base])
         with traced("fsdp2::grad_copy"):
             grads = result[: layout.grad_numel].to(b.dtype, copy=True)
             # Kept as a tensor: reading it (a device sync on GPUs) waits for commit_grads.
@@ -271,13 +268,13 @@ class BucketReduce(Deposits):
         comm = self.bucket.comm
         gloo = self.bucket.gloo
         by_rows = (gloo is not None and gloo.reduce_by_all_to_all) or self._quantized()
-        return self.custom is None and not by_rows and comm.shard_size > 1
+        return self.user.reduce_scatter is None and not by_rows and comm.shard_size > 1
 
     def _quantized(self) -> bool:
         """This bucket's reduce is quantized (``fsdp2.bucket.quant.reduce``): asked, no custom
         collective, and every bucket it carries may be (none with an all-gather extension)."""
         return (
-            self.quant is not None and self.custom is None and all(quantizes(r.bucket) for r in [self, *self.riders])
+            self.quant is not None and self.user.reduce_scatter is None and all(quantizes(r.bucket) for r in [self, *self.riders])
         )
 
     def release_buffers(self) -> None:

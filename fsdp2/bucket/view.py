@@ -17,6 +17,7 @@ import torch
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from .offload import HostOffload
+from .user_comm import UserComm
 
 
 class BucketView(Protocol):
@@ -45,7 +46,7 @@ class BucketView(Protocol):
     gloo: Any  # its ``GlooStrategy``, or None off gloo
     gather_is_identity: bool  # one rank, one dtype: the shards are the unsharded values
     extension_gather: Any  # its ``ExtensionGather``, or None
-    custom_all_gather: Any  # ``set_custom_all_gather``'s collective, or None
+    user: UserComm  # the group's ``set_*`` choices
     mp_policy: Any  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
     riders: list[BucketView]  # buckets whose rows its extension gather carries
     gather: Any  # its ``BucketGather``

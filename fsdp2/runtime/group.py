@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from ..api import MixedPrecisionPolicy, OffloadPolicy
 from ..bucket.bucket import FlatBucket
+from ..bucket.user_comm import UserComm
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from ..params.shared import SharedParam
@@ -96,7 +97,8 @@ class ParamGroup(GroupBackward):
         self.comm = comm
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
-        self.buckets = build_buckets(params, originals, comm, device, mp_policy, offload_policy)
+        self.user_comm = UserComm()  # what FSDPModule's set_* methods chose, shared by the buckets
+        self.buckets = build_buckets(params, originals, comm, device, mp_policy, offload_policy, self.user_comm)
         self.set_name(type(modules[0]).__name__)
         self.reshard_after_forward_arg: bool | int | None = None  # None: decided at lazy init
         self.reshard_after_forward: bool | int = True

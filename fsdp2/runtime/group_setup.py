@@ -14,6 +14,7 @@ from ..bucket.bucket import FlatBucket
 from ..bucket.gather import RidingGather
 from ..bucket.offload import HostOffload
 from ..bucket.quant.spec import NO_QUANTIZATION, QuantizedComm
+from ..bucket.user_comm import UserComm
 from ..comm.mesh import MeshInfo, mesh_device
 from ..params.param import FSDPParam
 
@@ -38,6 +39,7 @@ def build_buckets(
     device: torch.device,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy | None,
+    user: UserComm,
 ) -> list[FlatBucket]:
     """One bucket per mesh and dtype (per-parameter meshes: one group per mesh, in the
     order their parameters first appear); plain parameters, subclasses over the flat
@@ -58,7 +60,7 @@ def build_buckets(
         mesh = params[idx[0]].comm
         quant = QuantizedComm(mp_policy.quantize_gather, mp_policy.quantize_reduce) if floating else NO_QUANTIZATION
         bucket = FlatBucket(
-            [params[i] for i in idx], [originals[i] for i in idx], mesh, device, compute, reduce, offload, quant
+            [params[i] for i in idx], [originals[i] for i in idx], mesh, device, compute, reduce, offload, quant, user
         )
         bucket.mp_policy = mp_policy
         # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
@@ -123,11 +125,10 @@ def rebucket(
     """The buckets built anew over the parameters' current shards (after some moved to
     the extension path at lazy init: ``FSDPParam.gained_extension``). The sharded
     parameters stay the same objects (swapped, as ``FlatBucket.rebind`` does), so
-    optimizers built before keep working; the group-wide knobs set on the old buckets
-    carry over."""
+    optimizers built before keep working; they share the old ones' ``UserComm``."""
     current = [p.sharded for p in params]
     # Each parameter's own sharded parameter as its "original": its rows are copied.
-    buckets = build_buckets(params, current, comm, old[0].device, mp_policy, offload_policy)  # type: ignore[arg-type]
+    buckets = build_buckets(params, current, comm, old[0].device, mp_policy, offload_policy, old[0].user)  # type: ignore[arg-type]
     for p, param in zip(params, current):
         assert param is not None, "fsdp2 internal error: re-bucketing an unsharded parameter"
         fresh, grad = p.sharded, param.grad
@@ -135,11 +136,6 @@ def rebucket(
         param.grad = grad
         p.set_sharded(param)
         p.register_sharded()
-    for b in buckets:
-        b.custom_all_gather = old[0].custom_all_gather
-        b.reduce.hook, b.reduce.custom = old[0].reduce.hook, old[0].reduce.custom
-        b.reduce.zero_unused = old[0].reduce.zero_unused
-        b.update_direct()
     return buckets
 
 
@@ -177,8 +173,8 @@ def check_materialized(buckets: list[FlatBucket], mesh_type: str, name: str) -> 
 
 class UnshardChecks:
     """What every unshard checks first, cheaply: the sharded storage is materialized
-    (checked again only once a flat buffer changed, or after ``forget``) and no owner
-    module had a parameter reassigned."""
+    (checked again only once a flat buffer changed, or after ``forget``), no owner
+    module had a parameter reassigned, and no local tensor gained all-gather hooks."""
 
     def __init__(self) -> None:
         self._materialized: list[torch.Tensor] = []  # the sharded flats found materialized
@@ -195,13 +191,18 @@ class UnshardChecks:
 
 
 def check_not_reassigned(params: list[FSDPParam], prefix: str) -> None:
-    """Every owner module still registers the parameter's sharded or unsharded tensor
-    (checked at every unshard: kept to a tight loop)."""
+    """Every owner module still registers the parameter's sharded or unsharded tensor,
+    and no plain parameter's local tensor gained all-gather hooks since lazy init, which
+    took up those it found (torch looks for them at every gather; fsdp2 gathers the
+    group's parameters as one flat buffer laid out then, so it says so instead of
+    gathering them as plain tensors). Checked at every unshard: kept to a tight loop."""
     for fp in params:
         module, name = fp.owners[0]  # ``fp.reassigned()``, inlined
         current = module._parameters.get(name)
         if current is not None and current is not fp.sharded and current is not fp.unsharded:
             _raise_reassigned(prefix, fp)
+        if not fp.extension and hasattr(fp.sharded._local_tensor, "fsdp_pre_all_gather"):  # type: ignore[union-attr]
+            _raise_late_extension(prefix, fp)
 
 
 def adoptable_replacements(params: list[FSDPParam]) -> bool:
@@ -219,6 +220,15 @@ def _raise_reassigned(prefix: str, fp: FSDPParam) -> None:
         "forward; fsdp2 adopts reassigned parameters only before it. Copy the new values into the "
         "parameter instead: with torch.no_grad(): param.copy_(distribute_tensor(value, "
         "param.device_mesh, param.placements))"
+    )
+
+
+def _raise_late_extension(prefix: str, fp: FSDPParam) -> None:
+    raise RuntimeError(
+        f"fsdp2: the local tensor of parameter {prefix + '.' if prefix else ''}{fp.fqn} gained "
+        "fsdp_pre_all_gather after the model's first forward; fsdp2 takes up all-gather hooks when "
+        "fully_shard runs or at the first forward only. Bind them before the first forward (to "
+        "param.to_local() or its class)"
     )
 
 

@@ -42,7 +42,7 @@ class QuantizedGather(BucketGather):
     def start(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
         b = self.bucket
         kept = from_partial and self.target is not None and self.partial is not None
-        if b.shard_numel == 0 or kept or b.custom_all_gather is not None or not quantizes(b):
+        if b.shard_numel == 0 or kept or b.user.all_gather is not None or not quantizes(b):
             return super().start(from_partial, after)
         comm = b.comm
         source = b.sharded_flat[: b.shard_numel]
