@@ -151,7 +151,7 @@ def _collect_params(
     """Parameters under ``modules`` not managed by an earlier call, with every
     (module, name) that registers each, in ``named_parameters`` order; and those an
     earlier call on a module outside ``modules`` manages (raised at lazy init, see
-    ``_shared``). One an earlier call under ``modules`` manages raises here."""
+    ``params/shared.py``). One an earlier call under ``modules`` manages raises here."""
     owners: dict[torch.Tensor, list[tuple[nn.Module, str]]] = {}
     fqns: dict[torch.Tensor, str] = {}
     deferred: list[SharedParam] = []

@@ -98,6 +98,63 @@ def test_the_circle_check_can_fail() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+# The layers, bottom first (CONTRIBUTING.md's table): a module imports only from its own
+# layer or those below. The face's helpers and the public modules sit at the root.
+LAYERS = [
+    ["fsdp2.api"],
+    ["fsdp2.comm"],
+    ["fsdp2.params"],
+    ["fsdp2.bucket", "fsdp2.optim"],
+    ["fsdp2.runtime"],
+    ["fsdp2._validate", "fsdp2._placement", "fsdp2._knobs", "fsdp2._classes", "fsdp2._module",
+     "fsdp2.fully_shard", "fsdp2.pipelining"],
+    ["fsdp2.memory"],
+    ["fsdp2.planning"],
+    ["fsdp2"],
+    ["fsdp2.estimate", "fsdp2.patch"],
+]
+
+
+def _layer_of(module: str) -> int:
+    """The layer of the longest prefix of ``module`` named in ``LAYERS``."""
+    best = (-1, -1)
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if module == name or module.startswith(name + "."):
+                best = max(best, (len(name), i))
+    if best[1] < 0:
+        raise AssertionError(f"{module} is in no layer of LAYERS: add it there and to CONTRIBUTING.md")
+    return best[1]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((m, d) for m, deps in graph.items() for d in deps if _layer_of(d) > _layer_of(m))
+
+
+def test_layers_import_downward_only() -> None:
+    assert _upward(_graph()) == []
+
+
+def test_the_layer_check_can_fail() -> None:
+    assert _upward({"fsdp2.comm.mesh": {"fsdp2.bucket.gather", "fsdp2.api"}}) == [("fsdp2.comm.mesh", "fsdp2.bucket.gather")]
+
+
+def test_each_folder_says_what_lives_there_and_the_map_names_it() -> None:
+    """Each folder's ``__init__`` opens with a docstring, and CONTRIBUTING.md's layer
+    table and docs/design.md's walk through a step name the same folders."""
+    root = PACKAGE.parent
+    contributing, design = (root / "CONTRIBUTING.md").read_text(), (root / "docs" / "design.md").read_text()
+    folders = sorted(p.parent for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
+    assert folders, "no folder found"
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+        name = str(folder.relative_to(PACKAGE)) + "/"
+        assert doc, f"fsdp2/{name}__init__.py has no docstring saying what lives there"
+        assert f"`{name}`" in contributing, f"CONTRIBUTING.md's layer table does not name `{name}`"
+        if folder.parent == PACKAGE:
+            assert f"`{name}`" in design, f"docs/design.md does not name `{name}`"
+
+
 def _registries(source: str) -> list[tuple[int, str, bool]]:
     """(line, name, justified) of each module-level mutable container."""
     tree = ast.parse(source)

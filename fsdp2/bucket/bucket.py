@@ -14,13 +14,13 @@ Layouts (``W`` shard ranks, ``S`` = sum of the padded shard sizes):
   (``ShardLayout.copy_blocks_out``). Its storage is resized to 0 on reshard and back on
   unshard, so tensors autograd saved in forward see the re-gathered values in backward.
 
-The all-gather is ``BucketGather`` (``_gather.py``); gradients go through
-``BucketReduce`` (``_reduce.py``) and into ``.grad`` through ``GradCommit``
-(``_commit.py``). Large buckets on gloo gather and reduce in place
-(``InPlace``, ``_in_place.py``): gloo's strategies are chosen once per bucket
-(``GlooStrategy``, ``_gloo.py``); elsewhere ``gloo`` and ``in_place`` are None.
+The all-gather is ``BucketGather`` (``gather.py``); gradients go through
+``BucketReduce`` (``reduce.py``) and into ``.grad`` through ``GradCommit``
+(``commit.py``). Large buckets on gloo gather and reduce in place
+(``InPlace``, ``in_place.py``): gloo's strategies are chosen once per bucket
+(``GlooStrategy``, ``gloo.py``); elsewhere ``gloo`` and ``in_place`` are None.
 With ``CPUOffloadPolicy`` on an accelerator the sharded flat lives on the host and the
-rest on the device (``HostOffload``, ``_offload.py``); elsewhere ``offload`` is None.
+rest on the device (``HostOffload``, ``offload.py``); elsewhere ``offload`` is None.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class FlatBucket:
         self.follows_dtype = (True, True)  # (compute, reduce) follow ``dtype`` on ``rebind``
         self.reduce = BucketReduce(self)
         self.commit = GradCommit(self)
-        self.gloo: GlooStrategy | None = None  # gloo's own strategies (``_gloo.py``); None elsewhere
+        self.gloo: GlooStrategy | None = None  # gloo's own strategies (``gloo.py``); None elsewhere
         self.in_place: InPlace | None = None  # ``gloo.in_place``, where it applies
         self.offload = offload
         self.device = device  # where gathers and reduces run (the shards' too, without offload)

@@ -4,7 +4,7 @@
 A parameter whose local tensor defines both methods keeps its class when sharded, in one
 of three ways. A subclass wrapping one tensor with the standard ``__tensor_unflatten__``
 (``SubclassWrapper``) is rebuilt around its rows of the bucket's sharded flat buffer, so
-the bucket owns the storage as for plain parameters (``_subclass.py``). A plain tensor
+the bucket owns the storage as for plain parameters (``params/subclass.py``). A plain tensor
 whose hooks were bound to the object after ``fully_shard`` (instance methods, as torch's
 tests do; noticed at lazy init, when the group re-buckets it) stays that object, its data
 re-pointed at the flat buffer (``KeepObject``). Any other subclass (several inner tensors,

@@ -3,10 +3,10 @@
 Phase 1 (``start``) issues it: from the sharded flat buffer (cast to the compute dtype;
 copied to the device first when offloaded) or, after an integer ``reshard_after_forward``,
 from the kept rows (``partial``) over the smaller group; into a pooled buffer, a custom
-collective's buffer, or in place (gloo's strategy, ``_in_place.py``, possibly deferred
+collective's buffer, or in place (gloo's strategy, ``in_place.py``, possibly deferred
 behind a reduce in the same storage). Phase 2 (``finish``) waits and copies the gathered
 rows out parameter-major into the unsharded storage. Subclasses with an all-gather
-extension gather through ``_extension.ExtensionGather`` instead, which also carries the
+extension gather through ``extension.ExtensionGather`` instead, which also carries the
 other buckets of their group and mesh (``RidingGather``): one all-gather, as torch's.
 """
 

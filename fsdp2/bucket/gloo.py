@@ -7,7 +7,7 @@ all-gather into a pooled buffer) where gloo is slow or memory-hungry:
   (``reduce_by_all_to_all``): the bytes of a reduce-scatter, faster than gloo's own, and
   every rank sums alike;
 * large buckets from 3 ranks gather and reduce in place, in the unsharded storage
-  (``in_place``, ``_in_place.InPlace``), possibly deferring a gather behind the reduce
+  (``in_place``, ``in_place.InPlace``), possibly deferring a gather behind the reduce
   still using that storage.
 
 A bucket on any other backend has no ``GlooStrategy`` (``bucket.gloo is None``): the

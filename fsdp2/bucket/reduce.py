@@ -86,7 +86,7 @@ class BucketReduce(Deposits):
     def carry(self, riders: list[BucketReduce]) -> None:
         """Reduce the parameters of ``riders``' buckets with this bucket's, in one reduce
         (buckets of one group on the same mesh, with the same parameter and reduce dtypes
-        and no host offload: ``_group_setup.join_reduces``); each rider then reduces
+        and no host offload: ``runtime.group_setup.join_reduces``); each rider then reduces
         nothing. ``[]``: back to this bucket's own parameters. Set while nothing is being
         reduced (at build, and after ``module._apply`` changed dtypes)."""
         if riders == self.riders and (riders or self.params is self.bucket.params):

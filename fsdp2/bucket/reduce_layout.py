@@ -1,6 +1,6 @@
 """The column layout of one bucket's reduce input: which parameters are reduced, where
 each one's gradient block sits in a rank's row, then the replicated scalars and the
-"used" flags (``_reduce.BucketReduce`` fills and reduces it)."""
+"used" flags (``reduce.BucketReduce`` fills and reduces it)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """What a bucket's helpers read of it.
 
-``_bucket.FlatBucket`` owns its all-gather (``_gather.BucketGather``), its reduce
-(``_reduce.BucketReduce``), its commit (``_commit.GradCommit``), its gloo in-place
-strategy (``_in_place.InPlace``) and its subclass gather (``_extension.ExtensionGather``),
-and hands itself to each. They read it
-through this protocol, one layer down, rather than importing the bucket: the storage
-layer then reads bottom-up (see CONTRIBUTING.md).
+``bucket.FlatBucket`` owns its all-gather (``gather.BucketGather``), its reduce
+(``reduce.BucketReduce``), its commit (``commit.GradCommit``), its gloo in-place
+strategy (``in_place.InPlace``) and its subclass gather (``extension.ExtensionGather``),
+and hands itself to each. They read it through this protocol rather than importing
+``bucket.py``: the folder then reads bottom-up (see CONTRIBUTING.md).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class FSDPParam:
             self.tp = (param.device_mesh, tuple(param.placements))
             local_shape = param._local_tensor.shape
             local = param._local_tensor
-        # A subclass that customizes its all-gather (``_extension``) keeps its class: as a
+        # A subclass that customizes its all-gather (``bucket/extension.py``) keeps its class: as a
         # view of the bucket's flat buffer rebuilt around it (``wrapper``, one inner
         # tensor), or else as a shard of its own made through its own ops (``dispatched``).
         self.extension = has_extension(local)

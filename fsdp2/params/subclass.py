@@ -2,7 +2,7 @@
 tensor is made over another tensor (its rows of the bucket's flat buffer): a
 one-inner-tensor subclass is rebuilt around it (``SubclassWrapper``); a tensor whose
 hooks were bound to the object itself stays that object, its data re-pointed
-(``KeepObject``). The gather itself is ``_extension.ExtensionGather``."""
+(``KeepObject``). The gather itself is ``bucket.extension.ExtensionGather``."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from .tree import collect_tensors, map_tensors
 
 
 class CountedGroup(Protocol):
-    """What the counted nodes need of a group (``_group.ParamGroup``, one layer up: it
+    """What the counted nodes need of a group (``group.ParamGroup``, one layer up: it
     passes itself in, it is not imported)."""
 
     calls: BackwardCalls

@@ -57,7 +57,7 @@ from .tree import cast_floating
 
 class StepContext(Protocol):
     """What a group asks of the step context its root made at lazy init
-    (``_state.RootContext``, one layer up: it is handed to the group, not imported)."""
+    (``state.RootContext``, one layer up: it is handed to the group, not imported)."""
 
     root: ParamGroup
     in_backward: bool
