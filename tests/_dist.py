@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT = 240.0
@@ -40,8 +41,7 @@ def _entry(env: dict[str, str], call: bytes, rank: int, world: int, port: int, r
     import torch.distributed as dist
 
     # The caller's environment as it is now (the fork server's is from when it started),
-    # set before the function and its module (and fsdp2, which reads some variables at
-    # import) are unpickled.
+    # set before the function and its module are unpickled.
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(
@@ -51,7 +51,13 @@ def _entry(env: dict[str, str], call: bytes, rank: int, world: int, port: int, r
     torch.set_num_threads(1)
     try:
         fn, args = pickle.loads(call)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # The caller holds the store (bound before any rank started: no other process
+        # can take its port in between); every rank joins it as a client.
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
+        # Every rank's connections are up before any rank goes on: one that finished a
+        # short function and closed its group could cut a peer's still in its handshake.
+        dist.barrier()
         value = fn(rank, world, *args)
         # Pickled here, by value: a tensor put on the queue as is would travel as shared
         # memory that vanishes when this process exits before pytest reads it.
@@ -63,14 +69,23 @@ def _entry(env: dict[str, str], call: bytes, rank: int, world: int, port: int, r
             dist.destroy_process_group()
 
 
+# What the fork server imports once, so that no rank imports it again: torch and the
+# pieces of it every test uses, pytest (every test module imports it) and fsdp2, which
+# reads no environment variable at import (those it reads, it reads when called).
+# Together ~0.75 s of CPU per rank otherwise, on hundreds of ranks a suite.
+PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch.distributed.checkpoint",
+    "torch.distributed.pipelining", "pytest", "fsdp2",
+]
+
+
 def _context() -> Any:
-    """Ranks start from a fork server that imported torch once (a fresh interpreter per
-    rank would import it again: seconds of CPU per rank, most of a small test). fsdp2 is
-    not preloaded: each rank imports it under the caller's environment. What torch reads
-    at import (``TORCH_LOGS``, ...) is fixed when the server starts: pass ``fresh=True``
-    to a run that sets such variables."""
+    """Ranks start from a fork server that imported ``PRELOAD`` once (a fresh interpreter
+    per rank would import torch again: seconds of CPU per rank, most of a small test).
+    What torch reads at import (``TORCH_LOGS``, ...) is fixed when the server starts:
+    pass ``fresh=True`` to a run that sets such variables."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -82,7 +97,10 @@ def run_ranks(
     ctx = mp.get_context("spawn") if fresh else _context()
     call = pickle.dumps((fn, args))
     results = ctx.Queue()
-    port = free_port()
+    # The rendezvous store, on a port the OS picks as it binds it (a port found free and
+    # bound later by a rank may be taken in between by another suite's processes).
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(target=_entry, args=(dict(os.environ), call, r, world_size, port, results), daemon=True)
         for r in range(world_size)
