@@ -3,7 +3,8 @@ block is checked here. The install and test commands are the CI script's (``.ci/
 runs them); ``torchrun ... examples/train.py`` lines have their torchrun and script
 arguments parsed (the training itself is ``tests/test_train_example.py``'s);
 ``python -m fsdp2.estimate`` lines are parsed (``tests/test_estimate.py`` runs it); tool
-commands are parsed or run. A command of any other kind fails: check it here."""
+commands are parsed or run (the ``python tools/...`` ones that run: all in one interpreter).
+A command of any other kind fails: check it here."""
 
 from __future__ import annotations
 
@@ -54,8 +55,15 @@ def _load(path: pathlib.Path, name: str) -> Any:
     return module
 
 
+@functools.cache
+def _train() -> Any:
+    """examples/train.py, loaded once (its ``parse_args`` reads only its arguments and
+    ``WORLD_SIZE``)."""
+    return _load(ROOT / "examples" / "train.py", "docs_train")
+
+
 def _check_train_args(args: list[str], world: int) -> argparse.Namespace:
-    train = _load(ROOT / "examples" / "train.py", "docs_train")
+    train = _train()
     with mock.patch.object(sys, "argv", ["train.py", *args]), mock.patch.dict(os.environ, WORLD_SIZE=str(world)):
         return train.parse_args()
 
@@ -113,11 +121,46 @@ def _check_launcher(args: list[str], cmd: str) -> str:
     return "run by tests/test_patch.py"
 
 
+def _words(cmd: str) -> list[str]:
+    return shlex.split(re.sub(r"\$([A-Z_]+)", lambda m: SAMPLE_ENV[m.group(1)], cmd))
+
+
+def _tool_command(words: list[str]) -> tuple[str, ...] | None:
+    """The tool run ``check`` makes of a documented ``python tools/...`` command, if it
+    runs one: the GPU tools as written, without CUDA (they say so and exit 0), and a
+    small instance of bench_deposit.py on the CPU."""
+    if words[:2] in (["python", "tools/gpu_check.py"], ["python", "tools/gpu_memory.py"]) and "--cpu" not in words:
+        return tuple(words[1:])
+    if words[:2] == ["python", "tools/bench_deposit.py"]:
+        return (*words[1:], "--dim", "64", "--device", "cpu")
+    return None
+
+
+@functools.cache
+def _tool_runs() -> dict[tuple[str, ...], tuple[int, str, str]]:
+    """The documented tool runs, all in one interpreter without CUDA (tests/test_gpu_check.py's
+    ``run_tools``: one import of torch, not one per command): command -> (exit status,
+    output, error output)."""
+    from test_gpu_check import run_tools
+
+    tools = (_tool_command(_words(cmd)) for _, cmd in ALL if cmd.startswith("python tools/"))
+    runs = list(dict.fromkeys(c for c in tools if c is not None))
+    return dict(zip(runs, run_tools([list(c) for c in runs], {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)))
+
+
+def _tool_run(command: tuple[str, ...]) -> tuple[int, str, str]:
+    from test_gpu_check import run_tools
+
+    if command in _tool_runs():
+        return _tool_runs()[command]
+    return run_tools([list(command)], {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)[0]  # not a documented one
+
+
 def check(cmd: str) -> str:
     """Check one command; returns how (for the failure message)."""
     if cmd.startswith(CI_STEPS):
         return "ci"
-    words = shlex.split(re.sub(r"\$([A-Z_]+)", lambda m: SAMPLE_ENV[m.group(1)], cmd))
+    words = _words(cmd)
     if words[0] == "torchrun":
         from torch.distributed.run import get_args_parser
 
@@ -151,18 +194,16 @@ def check(cmd: str) -> str:
             bench.main()
         return "parsed"
     if words[:2] in (["python", "tools/gpu_check.py"], ["python", "tools/gpu_memory.py"]) and "--cpu" not in words:
-        done = subprocess.run([sys.executable, *words[1:]], check=False, capture_output=True, text=True, cwd=ROOT,
-                              env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
+        rc, out, err = _tool_run(_tool_command(words))
+        assert rc == 0, out + err
         return "ran"
     if words[:2] == ["python", "tools/quant_convergence.py"]:  # minutes of training: its flags parsed
         # (without the plot, whose matplotlib the test environment need not have)
         _load(ROOT / "tools" / "quant_convergence.py", "docs_quant_convergence").parse_args([*words[2:], "--png", ""])
         return "parsed"
     if words[:2] == ["python", "tools/bench_deposit.py"]:  # a small instance of it
-        done = subprocess.run([sys.executable, *words[1:], "--dim", "64", "--device", "cpu"], check=False,
-                              capture_output=True, text=True, cwd=ROOT, timeout=120)
-        assert done.returncode == 0 and "WRONG" not in done.stdout, done.stdout + done.stderr
+        rc, out, err = _tool_run(_tool_command(words))
+        assert rc == 0 and "WRONG" not in out, out + err
         return "ran"
     if words[:2] == ["bash", "tools/gpu_session.sh"]:  # no step chosen: its header runs
         with tempfile.TemporaryDirectory() as out:

@@ -1,7 +1,8 @@
-"""examples/train.py under torchrun: checkpoints, resume, and a rank killed mid-training
-under ``--max-restarts=1`` all end with the parameters of an uninterrupted run; activation
-checkpointing, meta-device init, pipeline, compile, bf16, tensor parallel and HSDP runs
-train like the plain one; real text data (``--data text``) trains and reports a held-out loss."""
+"""examples/train.py: a run resumed from its checkpoints, and a rank killed mid-training
+under torchrun's ``--max-restarts=1``, end with the parameters of an uninterrupted run;
+activation checkpointing, meta-device init, pipeline, compile, bf16, tensor parallel and
+HSDP runs train like the plain one; real text data (``--data text``) trains and reports a
+held-out loss. Runs of one world size share a set of ranks (``run_example``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import io
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.fsdp
-from _dist import run_ranks, run_scenarios
+from _dist import run_scenarios
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "16", "--batch-size", "2"]
@@ -57,11 +59,11 @@ MOE_RUNS: dict[str, tuple[int, list[str]]] = {
 def tested_flag_sets() -> list[tuple[list[str], bool]]:
     """Every configuration of the example these tests run: (flags, restarted). The
     documented commands (tests/test_docs.py) must each be one of them."""
-    runs = [([], False), (CHECKPOINTED, False), (CHECKPOINTED, True), (MUON, False), ([*MUON, *CHECKPOINTED], True)]
+    runs = [([], False), (CHECKPOINTED, False), (CHECKPOINTED, True), (MUON, False), ([*MUON, *CHECKPOINTED], False)]
     runs += [(flags, False) for _, flags in FLAG_RUNS.values()]
     runs += [(flags, False) for flags in TP_RUNS.values()]
     runs += [(flags, False) for _, flags in MUON_RUNS.values()]
-    runs += [(MOE, False), ([*MOE, *CHECKPOINTED], True)] + [(flags, False) for _, flags in MOE_RUNS.values()]
+    runs += [(MOE, False), ([*MOE, *CHECKPOINTED], False)] + [(flags, False) for _, flags in MOE_RUNS.values()]
     runs += [([*TEXT, *EVAL], False), (TEXT, False)]
     from test_train_example_quant import QUANT, QUANT_RUNS
 
@@ -72,17 +74,24 @@ def tested_flag_sets() -> list[tuple[list[str], bool]]:
 tested_flag_sets.__test__ = False  # a helper whose name starts with "test": not a test for pytest
 
 
-def _torchrun(*args: str, env: dict[str, str] | None = None, restarts: int = 0, nproc: int = 2) -> str:
-    """examples/train.py on ``nproc`` ranks: its ranks' output. Under torchrun when it must
-    restart a rank or set the environment; otherwise ``main(argv)`` in ranks forked from
-    the test helper's server, which has torch imported already (torchrun's fresh
-    interpreters import torch and fsdp2 again: seconds of CPU per rank, most of a run)."""
-    if restarts == 0 and env is None:
-        return "".join(run_ranks(_example_rank, nproc, [*SMALL, *args], timeout=300))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           f"--max-restarts={restarts}", os.path.join(ROOT, "examples", "train.py"), *SMALL, *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300)
+def run_example(nproc: int, runs: dict[str, list[str]]) -> dict[str, str]:
+    """Runs of examples/train.py (``SMALL`` and each run's flags) one after the other in
+    one set of ``nproc`` ranks, forked from the test helper's server, which has torch
+    imported already (torchrun's fresh interpreters would import torch and fsdp2 again:
+    seconds of CPU per rank, more than a 3-step run); each calls ``main(argv)`` in the
+    ranks' (gloo) process group. Each run's log: its ranks' output."""
+    scenarios = {name: (_example_rank, ([*SMALL, *argv],)) for name, argv in runs.items()}
+    logs = run_scenarios(nproc, scenarios, timeout=300)
+    return {name: "".join(logs[name]) for name in runs}
+
+
+def _torchrun_restarted(*args: str, fail_at: int) -> str:
+    """examples/train.py on 2 ranks under torchrun ``--max-restarts=1``, rank 1 killed at
+    step ``fail_at`` (``FSDP2_EXAMPLE_FAIL_AT``): its ranks' output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts=1", os.path.join(ROOT, "examples", "train.py"), *SMALL, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "FSDP2_EXAMPLE_FAIL_AT": str(fail_at)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -98,20 +107,53 @@ def _example_rank(rank: int, world: int, argv: list[str]) -> str:
     return out.getvalue()
 
 
+# The flag and checkpoint runs, in four sets of ranks (module fixtures: each test takes
+# the logs it checks). The plain 2-rank run (its final parameters in "plain.pt") and the other 2-rank flag runs.
 @pytest.fixture(scope="module")
-def clean_7_steps(tmp_path_factory) -> str:  # noqa: ANN001
-    """The final parameters of an uninterrupted 7-step run (shared: each run costs seconds;
-    the runs below save every 2 steps, so their last step is not a save point)."""
-    path = str(tmp_path_factory.mktemp("clean") / "clean.pt")
-    _torchrun("--steps", "7", "--final-params", path)
-    return path
+def two_rank_runs(tmp_path_factory) -> tuple[dict[str, str], pathlib.Path]:  # noqa: ANN001
+    out = tmp_path_factory.mktemp("two_ranks")
+    runs = {"plain": [*FLAG_RUN, "--final-params", str(out / "plain.pt")], "muon": [*FLAG_RUN, *MUON]}
+    runs |= {name: [*FLAG_RUN, *flags] for name, (nproc, flags) in FLAG_RUNS.items() if nproc == 2}
+    return run_example(2, runs), out
 
 
+# The 4-rank runs without --compile: pipeline, tensor parallel (final parameters in
+# "<name>.pt"), HSDP, Muon across them.
 @pytest.fixture(scope="module")
-def plain_run(tmp_path_factory) -> tuple[str, str]:  # noqa: ANN001
-    """A plain 3-step run of 4 layers on 2 ranks: its log and its final parameters."""
-    path = str(tmp_path_factory.mktemp("plain") / "plain.pt")
-    return _torchrun(*FLAG_RUN, "--final-params", path), path
+def four_rank_runs(tmp_path_factory) -> tuple[dict[str, str], pathlib.Path]:  # noqa: ANN001
+    out = tmp_path_factory.mktemp("four_ranks")
+    runs = {name: [*FLAG_RUN, *flags] for name, (nproc, flags) in FLAG_RUNS.items() if nproc == 4 and "--compile" not in flags}
+    runs |= {name: [*FLAG_RUN, *flags, "--final-params", str(out / f"{name}.pt")] for name, flags in TP_RUNS.items()}
+    runs |= {f"muon, {name}": [*FLAG_RUN, *flags] for name, (_, flags) in MUON_RUNS.items()}
+    return run_example(4, runs), out
+
+
+# The compiled runs (4 ranks), in one set of ranks: inductor's start-up is paid once per
+# rank. The zero-bubble one last: it turns off torch's donated buffers for the process.
+@pytest.fixture(scope="module")
+def compiled_runs() -> dict[str, str]:
+    compiled = sorted((name for name, (_, flags) in FLAG_RUNS.items() if "--compile" in flags),
+                      key=lambda name: "--pp" in FLAG_RUNS[name][1])
+    assert all(FLAG_RUNS[name][0] == 4 for name in compiled), compiled
+    return run_example(4, {name: [*FLAG_RUN, *FLAG_RUNS[name][1]] for name in compiled})
+
+
+# Checkpoints, 2 ranks: uninterrupted 7-step runs ("<name> clean", final parameters in
+# "<name>-clean.pt"), and runs that save every 2 steps, then resume: "<name> first" stops
+# (its last step is not a save point), "<name> resumed" continues from its latest
+# checkpoint to step 7 (final parameters in "<name>-resumed.pt"); name "adamw", "muon".
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory) -> tuple[dict[str, str], pathlib.Path]:  # noqa: ANN001
+    out = tmp_path_factory.mktemp("checkpoints")
+    runs = {}
+    # "muon first" stops after step 4: a job whose rank is killed at step 5 has run as far
+    # (test_killed_rank_restarts_and_matches_uninterrupted kills one, with AdamW).
+    for name, flags, first in (("adamw", [], 4), ("muon", MUON, 5)):
+        saving = ["--ckpt-dir", str(out / f"{name}-ckpt"), "--save-every", "2"]
+        runs[f"{name} clean"] = ["--steps", "7", *flags, "--final-params", str(out / f"{name}-clean.pt")]
+        runs[f"{name} first"] = ["--steps", str(first), *flags, *saving]
+        runs[f"{name} resumed"] = ["--steps", "7", *flags, *saving, "--final-params", str(out / f"{name}-resumed.pt")]
+    return run_example(2, runs), out
 
 
 def _same(a: str, b: str) -> None:
@@ -121,25 +163,20 @@ def _same(a: str, b: str) -> None:
         assert torch.equal(pa[k], pb[k]), k
 
 
-def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path, clean_7_steps) -> None:  # noqa: ANN001
+def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path, checkpoint_runs) -> None:  # noqa: ANN001
     ckpt, crashed = str(tmp_path / "ckpt"), str(tmp_path / "crashed.pt")
-    log = _torchrun(
-        "--steps", "7", "--ckpt-dir", ckpt, "--save-every", "2", "--final-params", crashed,
-        env={"FSDP2_EXAMPLE_FAIL_AT": "5"}, restarts=1,
-    )
+    log = _torchrun_restarted("--steps", "7", "--ckpt-dir", ckpt, "--save-every", "2", "--final-params", crashed,
+                              fail_at=5)
     assert "simulated failure at step 5" in log
     assert "resumed from" in log and "step-000003" in log
-    _same(clean_7_steps, crashed)
+    _same(str(checkpoint_runs[1] / "adamw-clean.pt"), crashed)
     assert not [d for d in os.listdir(ckpt) if d.startswith(".tmp")]
 
 
-def test_resume_from_latest_checkpoint(tmp_path, clean_7_steps) -> None:  # noqa: ANN001
-    ckpt = str(tmp_path / "ckpt")
-    first, resumed = (str(tmp_path / f"{n}.pt") for n in ("first", "resumed"))
-    _torchrun("--steps", "4", "--ckpt-dir", ckpt, "--save-every", "2", "--final-params", first)
-    log = _torchrun("--steps", "7", "--ckpt-dir", ckpt, "--save-every", "2", "--final-params", resumed)
-    assert "at step 4" in log
-    _same(clean_7_steps, resumed)
+def test_resume_from_latest_checkpoint(checkpoint_runs) -> None:  # noqa: ANN001
+    logs, out = checkpoint_runs
+    assert "at step 4" in logs["adamw resumed"]
+    _same(str(out / "adamw-clean.pt"), str(out / "adamw-resumed.pt"))
 
 
 def _losses(log: str) -> dict[tuple[int, int], float]:
@@ -148,43 +185,44 @@ def _losses(log: str) -> dict[tuple[int, int], float]:
     return {(int(d), int(s)): float(v) for d, s, v in found}
 
 
-def test_checkpointing_pipeline_compile_and_bf16_flags_train_like_the_plain_run(plain_run) -> None:  # noqa: ANN001
+def test_checkpointing_pipeline_compile_and_bf16_flags_train_like_the_plain_run(
+    two_rank_runs, four_rank_runs, compiled_runs  # noqa: ANN001
+) -> None:
     """``--ac full --meta-init``, ``--ac selective``, ``--pp 2`` (4 ranks: pp 2 x dp 2, two
     schedules, the zero-bubble one compiled), ``--compile --tp 2 --ac full`` (4 ranks: dp 2
     x tp 2) and ``--bf16`` print the plain run's losses: same data per data-parallel rank, same
     initial weights, the same training."""
-    plain = _losses(plain_run[0])
+    plain = _losses(two_rank_runs[0]["plain"])
     assert len(plain) == 6, plain
-    runs = {name: _torchrun(*FLAG_RUN, *flags, nproc=nproc) for name, (nproc, flags) in FLAG_RUNS.items()}
+    runs = {**two_rank_runs[0], **four_rank_runs[0], **compiled_runs}
     # Inductor's float32 kernels round differently from eager ones, so the compiled runs'
     # printed losses agree to a few units of their last digit (compile alone is tested at
     # float64 parity in tests/test_compile.py); bf16 compute (fp32 reduce and master
     # weights) within bf16's rounding.
     tolerance = {"compile, tp 2, ac full": 5e-4, "pp ZBVZeroBubble, ac full, compile": 5e-4, "bf16": 5e-3}
-    for name, log in runs.items():
-        got = _losses(log)
+    for name in FLAG_RUNS:
+        got = _losses(runs[name])
         assert got.keys() == plain.keys(), (name, got)
         for key, loss in plain.items():
             assert abs(got[key] - loss) < tolerance.get(name, 1e-5), (name, key, got[key], loss)
 
 
-def test_tensor_parallel_and_hsdp_train_like_the_plain_run(tmp_path, plain_run) -> None:  # noqa: ANN001
+def test_tensor_parallel_and_hsdp_train_like_the_plain_run(two_rank_runs, four_rank_runs) -> None:  # noqa: ANN001
     """At 4 ranks, ``--tp 2`` (dp 2 x tp 2: each tp pair trains on its dp rank's data)
     and ``--tp 2 --hsdp 2`` (2 replicas x 1 shard x tp 2) print the losses of a plain run
     on 2 ranks and end with its full parameters: equal up to float32 rounding, as the
     reductions add in another order (tp's partial sums, HSDP's reduce-scatter then
     all-reduce). HSDP alone is tested against local training in tests/test_nd_meshes.py."""
-    want = _losses(plain_run[0])
-    want_params = torch.load(plain_run[1])
-    for name, flags in TP_RUNS.items():
-        got_path = str(tmp_path / f"{name.replace(', ', '_').replace(' ', '')}.pt")
-        got_log = _torchrun(*FLAG_RUN, *flags, "--final-params", got_path, nproc=4)
-        assert f"world size 4, pp 1, {name}," in got_log
-        got = _losses(got_log)
+    want = _losses(two_rank_runs[0]["plain"])
+    want_params = torch.load(two_rank_runs[1] / "plain.pt")
+    logs, out = four_rank_runs
+    for name in TP_RUNS:
+        assert f"world size 4, pp 1, {name}," in logs[name]
+        got = _losses(logs[name])
         assert got.keys() == want.keys(), (name, got)
         for key, loss in want.items():
             assert abs(got[key] - loss) < 1.5e-4, (name, key, got[key], loss)  # printed to 1e-4
-        got_params = torch.load(got_path)
+        got_params = torch.load(out / f"{name}.pt")
         assert list(got_params) == list(want_params)
         for k, v in want_params.items():
             torch.testing.assert_close(
@@ -192,29 +230,26 @@ def test_tensor_parallel_and_hsdp_train_like_the_plain_run(tmp_path, plain_run) 
             )
 
 
-def test_muon_and_clipping_across_layouts_and_a_restart(tmp_path) -> None:  # noqa: ANN001
+def test_muon_and_clipping_across_layouts_and_a_resume(two_rank_runs, four_rank_runs, checkpoint_runs) -> None:  # noqa: ANN001
     """``--optim muon --clip 0.5`` (fsdp2.optim.Muon on the blocks' matrices, AdamW on the
     rest, fsdp2.clip_grad_norm_): ``--tp 2 --hsdp 2`` (2 replicas x 1 shard x tp 2, the
     norm across two meshes) and ``--pp 2`` (the norm across stages) print the 2-rank run's
-    losses; a rank killed at step 5 restarts from the step-3 checkpoint (Muon's momentum
-    with it) and ends with the uninterrupted run's parameters, bit for bit."""
-    plain = _losses(_torchrun(*FLAG_RUN, *MUON))
+    losses; a run stopped after step 4 resumes from the step-3 checkpoint (Muon's momentum
+    with it) and ends with the uninterrupted run's parameters, bit for bit (as the job of
+    a rank killed at step 5 would: the kill and restart themselves are
+    test_killed_rank_restarts_and_matches_uninterrupted's)."""
+    plain = _losses(two_rank_runs[0]["muon"])
     assert len(plain) == 6, plain
-    runs = {name: _torchrun(*FLAG_RUN, *flags, nproc=nproc) for name, (nproc, flags) in MUON_RUNS.items()}
-    for name, log in runs.items():
+    for name in MUON_RUNS:
+        log = four_rank_runs[0][f"muon, {name}"]
         assert "optim muon, clip 0.5" in log
         got = _losses(log)
         assert got.keys() == plain.keys(), (name, got)
         for key, loss in plain.items():
             assert abs(got[key] - loss) < 5e-4, (name, key, got[key], loss)
-    clean, crashed, ckpt = (str(tmp_path / n) for n in ("clean.pt", "crashed.pt", "ckpt"))
-    _torchrun("--steps", "7", *MUON, "--final-params", clean)
-    log = _torchrun(
-        "--steps", "7", *MUON, "--ckpt-dir", ckpt, "--save-every", "2", "--final-params", crashed,
-        env={"FSDP2_EXAMPLE_FAIL_AT": "5"}, restarts=1,
-    )
-    assert "resumed from" in log and "step-000003" in log
-    _same(clean, crashed)
+    logs, out = checkpoint_runs
+    assert "resumed from" in logs["muon resumed"] and "step-000003" in logs["muon resumed"]
+    _same(str(out / "muon-clean.pt"), str(out / "muon-resumed.pt"))
 
 
 def test_text_data_trains_and_reports_heldout_loss() -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_train_example import FLAG_RUN, MOE, _losses, _torchrun
+from _dist import cached_outcome
+from test_train_example import FLAG_RUN, MOE, _losses, run_example
 
 QUANT = ["--quantize-gather", "int8", "--quantize-reduce", "int8"]
 # name -> (ranks, flags), each run with and without QUANT.
@@ -19,11 +20,22 @@ QUANT_RUNS: dict[str, tuple[int, list[str]]] = {
 }
 
 
+@cached_outcome
+def _logs(nproc: int) -> dict[str, str]:
+    """The runs of QUANT_RUNS on ``nproc`` ranks, in one set of ranks: name -> log of the
+    run without QUANT, name + " quantized" -> with it."""
+    runs = {}
+    for name, (ranks, flags) in QUANT_RUNS.items():
+        if ranks == nproc:
+            runs[name], runs[f"{name} quantized"] = [*FLAG_RUN, *flags], [*FLAG_RUN, *flags, *QUANT]
+    return run_example(nproc, runs)
+
+
 @pytest.mark.parametrize("name", list(QUANT_RUNS))
 def test_quantized_example_trains_like_the_unquantized_one(name: str) -> None:
-    nproc, flags = QUANT_RUNS[name]
-    want = _losses(_torchrun(*FLAG_RUN, *flags, nproc=nproc))
-    log = _torchrun(*FLAG_RUN, *flags, *QUANT, nproc=nproc)
+    logs = _logs(QUANT_RUNS[name][0])
+    want = _losses(logs[name])
+    log = logs[f"{name} quantized"]
     assert "quantize gather int8 reduce int8" in log
     got = _losses(log)
     assert got.keys() == want.keys() and len(want) >= 3, (name, got, want)
