@@ -42,40 +42,75 @@ def _compiled(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     return torch.compile(model)
 
 
+def _batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 64, (2 * world, 16), generator=g)
+    return ids, torch.randint(0, 64, (2 * world, 16), generator=g)
+
+
+@functools.cache
+def _reference(mode: str, world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The full parameters of the local model after ``STEPS`` steps on the global batches,
+    trained eagerly and compiled as ``mode``: the same for either library, so trained once
+    per rank (they were trained again beside each library's model, compiles included)."""
+    torch._dynamo.reset()
+    eager, ref = _build(), _compiled(_build(), mode)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, ref)]
+    for step in range(STEPS):
+        ids, targets = _batch(step, world)
+        for m in (eager, ref):
+            F.cross_entropy(m(ids).flatten(0, 1), targets.flatten()).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return full_params(eager), full_params(getattr(ref, "_orig_mod", ref))
+
+
 def _run(lib: Any, rank: int, world: int, mode: str) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
+    want_eager, want_compiled = _reference(mode, world)
+    # A fresh cache: the sharded model's compiles are its own (and so are the graph breaks
+    # counted).
     torch._dynamo.reset()
     counters.clear()
-    eager, ref, model = _build(), _compiled(_build(), mode), _build()
+    model = _build()
     if mode == "blocks":
         _compiled(model, mode)
     for block in model.layers:
         lib.fully_shard(block)
     lib.fully_shard(model)
     run = _compiled(model, mode) if mode == "whole" else model
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, ref, model)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, 64, (2 * world, 16), generator=g)
-        targets = torch.randint(0, 64, (2 * world, 16), generator=g)
-        for m in (eager, ref):
-            F.cross_entropy(m(ids).flatten(0, 1), targets.flatten()).backward()
+        ids, targets = _batch(step, world)
         out = run(ids.chunk(world)[rank])
         F.cross_entropy(out.flatten(0, 1), targets.chunk(world)[rank].flatten()).backward()
-        for o in opts:
-            o.step()
-            o.zero_grad()
+        opt.step()
+        opt.zero_grad()
     got = full_params(model)
 
-    def worst(other: torch.nn.Module) -> float:
-        want = full_params(getattr(other, "_orig_mod", other))
+    def worst(want: dict[str, torch.Tensor]) -> float:
         return max((got[n] - want[n]).abs().max().item() for n in want)
 
-    return {"vs_compiled": worst(ref), "vs_eager": worst(eager), "graph_breaks": sum(counters["graph_break"].values())}
+    return {
+        "vs_compiled": worst(want_compiled), "vs_eager": worst(want_eager),
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    import torch.distributed as dist
+
+    # Rank 0 compiles the local models first, the others then: with a cold inductor cache
+    # they find the kernels there instead of compiling the same ones at the same time (the
+    # sharded blocks' too: the same graph as the local blocks').
+    for mode in MODES:
+        if rank:
+            dist.barrier()
+        _reference(mode, world)
+        if not rank:
+            dist.barrier()
     return {lib_name: {mode: _run(impl(lib_name), rank, world, mode) for mode in MODES} for lib_name in LIBS}
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks, run_scenarios
+from _dist import cached_outcome, run_scenarios
 from _models import worst
 from test_accelerator_path import accelerator_path
 
@@ -280,7 +280,7 @@ def _world_one(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_offload_at_world_size_one_copies_instead_of_aliasing() -> None:
-    out = run_ranks(_world_one, 1)[0]
+    out = _one_rank()["world_one"][0]
     assert out["worst"] <= 1e-10 and out["to_host"] > 0, out
 
 
@@ -311,16 +311,38 @@ print("ok")
 """
 
 
+def _host_shard_script(rank: int, world: int) -> str:
+    """``_HOST_SHARD_ON_GPU_MESH`` in this 1-rank process (a fork of the server that imported
+    torch: no interpreter to start): its gloo group gives way to the fake one the script
+    starts, with CUDA hidden (``CUDA_VISIBLE_DEVICES=""``) as for a script of its own.
+    Returns what it printed, and its traceback if it raised."""
+    import contextlib
+    import io
+    import traceback
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(_HOST_SHARD_ON_GPU_MESH, "<host shard script>", "exec"), {"__name__": "__main__"})  # noqa: S102
+    except Exception:  # noqa: BLE001 - reported to the test
+        return out.getvalue() + traceback.format_exc()
+    return out.getvalue()
+
+
+@cached_outcome
+def _one_rank() -> dict[str, list[Any]]:
+    return run_scenarios(1, {"world_one": (_world_one, ()), "host_shard": (_host_shard_script, ())})
+
+
 def test_host_shards_stay_on_the_host_of_an_accelerator_mesh() -> None:
     """On a GPU the offloaded shards must stay host tensors inside the host flat buffer:
     ``DTensor.from_local`` would copy them to the mesh's device (the GPU check found
     that: ``.grad`` on the host could not be assigned to a parameter that had moved).
     The CPU-as-both-sides runs above cannot see it; a CUDA-typed mesh on the fake
     process group describes one without a GPU."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", _HOST_SHARD_ON_GPU_MESH], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-3000:]
+    out = _one_rank()["host_shard"][0]
+    assert out.strip() == "ok", out[-3000:]

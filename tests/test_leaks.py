@@ -4,13 +4,14 @@ sharded models frees everything, and two identical runs are bitwise equal."""
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
 import torch
 
 import fsdp2
-from _dist import run_ranks
+from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
 
 
@@ -38,22 +39,34 @@ def _train(model: ToyModel, opt: torch.optim.Optimizer, steps: int, rank: int, w
         opt.zero_grad()
 
 
+# The long run: warm-up steps, then the measured steps. torch's flight recorder keeps the
+# last TORCH_FR_BUFFER_SIZE collectives of the process (2000 by default: ~2.5 MB of
+# resident memory, full after ~200-300 steps here, which the 1,000 measured steps this
+# run had before absorbed); the 2-rank spawn keeps 16, full within the first step. Then
+# 300 measured steps grow 0.1-0.35 MB; with a leak of one list a step the count is 300,
+# of 4 KB a step the growth 1.3 MB (both fail below).
+WARM_UP, MEASURED = 50, 300
+FLIGHT_RECORDER_ENTRIES = "16"
+
+
 def _long_run(rank: int, world: int) -> dict:
     model, opt = _build()
-    _train(model, opt, 200, rank, world)
+    _train(model, opt, WARM_UP, rank, world)
     gc.collect()
     objects, rss = len(gc.get_objects()), _rss_mb()
-    _train(model, opt, 1000, rank, world, start=200)
+    _train(model, opt, MEASURED, rank, world, start=WARM_UP)
     gc.collect()
     return {"objects": len(gc.get_objects()) - objects, "rss_mb": _rss_mb() - rss}
 
 
 def test_long_run_keeps_objects_and_memory_flat() -> None:
-    for out in run_ranks(_long_run, 2, timeout=600):
-        # A leak of one object a step would show ~1000; a few may be in flight at the count
-        # when another test file runs beside this one (pytest-xdist).
+    for out in _at_two()["long_run"]:
+        # A leak of one object a step would show ~MEASURED (300); a few may be in flight at
+        # the count when another test file runs beside this one (pytest-xdist).
         assert out["objects"] < 50, out
-        assert out["rss_mb"] < 4.0, out
+        # A steady growth of 4 KB a step or more: 4 MB over the 1000 steps this run had
+        # before, the same rate over MEASURED steps.
+        assert out["rss_mb"] < 4.0 * MEASURED / 1000, out
 
 
 def _build_teardown(rank: int, world: int) -> dict:
@@ -73,7 +86,7 @@ def _build_teardown(rank: int, world: int) -> dict:
 
 
 def test_build_and_teardown_free_everything() -> None:
-    for out in run_ranks(_build_teardown, 2):
+    for out in _at_two()["teardown"]:
         counts = out["counts"]
         assert counts[-1][1] == counts[-1][2] == 0, counts  # registries emptied
         assert counts[-1][0] <= counts[3][0], counts  # object count flat after warm-up
@@ -115,9 +128,26 @@ def _grads_freed(rank: int, world: int) -> list[int]:
     return alive
 
 
+@cached_outcome
+def _at_two() -> dict[str, list]:
+    """The 2-rank scenarios in one spawn, the long run first (in a process that has run
+    nothing else yet, as when it ran alone), with a short flight recorder (see WARM_UP)."""
+    saved = os.environ.get("TORCH_FR_BUFFER_SIZE")
+    os.environ["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES  # the ranks take this environment
+    try:
+        return run_scenarios(2, {
+            "long_run": (_long_run, ()), "teardown": (_build_teardown, ()), "grads_freed": (_grads_freed, ()),
+        })
+    finally:
+        if saved is None:
+            del os.environ["TORCH_FR_BUFFER_SIZE"]
+        else:
+            os.environ["TORCH_FR_BUFFER_SIZE"] = saved
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_zero_grad_frees_the_gradients(world: int) -> None:
     """Nothing of fsdp2's (the optimizer's kept plan, the buckets' record of the flat
     gradients they committed) holds gradients past ``zero_grad(set_to_none=True)``."""
-    for alive in run_ranks(_grads_freed, world):
+    for alive in _at_two()["grads_freed"] if world == 2 else run_ranks(_grads_freed, world):
         assert alive == [0, 0, 0, 0], alive

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from _comm import CommCounter
-from _dist import run_ranks
+from _dist import cached_outcome, run_ranks
 from _models import batch, full_params, impl, loss_fn
 from _models import worst as _worst
 from _moe_model import MoEModel, expert_params, parallelize_experts
@@ -216,8 +216,16 @@ def _load(lib: Any, path: str, saved: dict[str, torch.Tensor], world: int = WORL
     return _worst([(loaded[n] - saved[n]).abs().max().item() for n in saved])
 
 
-def _load_at_two(rank: int, world: int, lib_name: str, path: str) -> float:
-    return _load(impl(lib_name), path, torch.load(os.path.join(path, "full.pt")), world)
+def _load_at_two(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each library's checkpoint (under ``root``) loaded at 2 ranks, in one world."""
+    out: dict[str, Any] = {}
+    for lib_name in ("fsdp2", "torch"):
+        path = os.path.join(root, lib_name)
+        try:
+            out[lib_name] = _load(impl(lib_name), path, torch.load(os.path.join(path, "full.pt")), world)
+        except Exception as e:  # noqa: BLE001 - reported per library
+            out[lib_name] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def _misuse() -> dict[str, str]:
@@ -284,35 +292,54 @@ def _knobs(lib: Any) -> dict[str, str]:
     return out
 
 
-def _worker(rank: int, world: int, lib_name: str, names: list[str], path: str) -> dict[str, Any]:
+IN_PLACE_NAMES = ["ep2", "hsdp_ep2", "ep2_raf2", "ep2_accumulate"]
+# Two worlds of 4 ranks (one took ~60 s alone), each running every library on its share
+# of the configurations, fsdp2 first: torch's runs then reuse the DTensor sharding
+# caches fsdp2's warmed in the same ranks (a new mesh or placement costs a process up to
+# ~1 s). "layouts": the meshes and placements; "options": ep 2 with each option.
+PARTS: dict[str, list[str]] = {
+    "layouts": [
+        "ep1_shard1", "ep1_shard1_uneven", "ep2", "ep2_fsdp2_api", "ep4", "ep2_shard1", "ep2_uneven", "hsdp_ep2",
+    ],
+    "options": ["ep2_ac", "ep2_raf2", "ep2_raf_false", "ep2_unshard", "ep2_clip", "ep2_muon", "ep2_accumulate"],
+}
+EXTRAS = {"layouts": ["knobs", "checkpoint"], "options": ["default_division", "bf16"]}
+assert sorted(n for names in PARTS.values() for n in names) == sorted(CONFIGS)
+
+
+def _part(name: str) -> str:
+    return next(part for part, names in PARTS.items() if name in names)
+
+
+def _worker(rank: int, world: int, lib_name: str, part: str, path: str) -> dict[str, Any]:
     lib = impl(lib_name)
+    if lib_name == "fsdp2-in-place":
+        names = [n for n in PARTS[part] if n in IN_PLACE_NAMES]
+    else:
+        names = [n for n in PARTS[part] if lib_name == "fsdp2" or CONFIGS[n].get("torch", True)]
+    extras = {
+        "default_division": functools.partial(_default_division, lib, rank),
+        "bf16": functools.partial(_bf16, lib, rank),
+        "knobs": functools.partial(_knobs, lib),
+        "checkpoint": functools.partial(_checkpoint, lib, rank, os.path.join(path, lib_name)),
+    }
     out: dict[str, Any] = {}
     for name, fn in [(n, functools.partial(_run, CONFIGS[n], lib, rank)) for n in names] + [
-        ("default_division", functools.partial(_default_division, lib, rank)),
-        ("bf16", functools.partial(_bf16, lib, rank)),
-        ("knobs", functools.partial(_knobs, lib)),
-        ("checkpoint", functools.partial(_checkpoint, lib, rank, os.path.join(path, lib_name))),
+        (e, extras[e]) for e in EXTRAS[part] if lib_name != "fsdp2-in-place"
     ]:
-        if lib_name == "fsdp2-in-place" and name not in names:
-            continue
         try:
             out[name] = fn()
         except Exception as e:  # noqa: BLE001 - reported per configuration
             out[name] = f"{type(e).__name__}: {e}"
-    if lib_name == "fsdp2":
+    if lib_name == "fsdp2" and part == "layouts":
         out["misuse"] = _misuse()
     return out
 
 
-IN_PLACE_NAMES = ["ep2", "hsdp_ep2", "ep2_raf2", "ep2_accumulate"]
-
-
-def _all_libs(rank: int, world: int, path: str) -> dict[str, dict[str, Any]]:
-    return {
-        "fsdp2": _worker(rank, world, "fsdp2", list(CONFIGS), path),
-        "torch": _worker(rank, world, "torch", [n for n, c in CONFIGS.items() if c.get("torch", True)], path),
-        "fsdp2-in-place": _worker(rank, world, "fsdp2-in-place", IN_PLACE_NAMES, path),
-    }
+def _all_libs(rank: int, world: int, part: str, path: str) -> dict[str, dict[str, Any]]:
+    # fsdp2-in-place last: it stays on in the process.
+    libs = ("fsdp2", "torch", "fsdp2-in-place")
+    return {lib_name: _worker(rank, world, lib_name, part, path) for lib_name in libs}
 
 
 @functools.cache
@@ -320,20 +347,20 @@ def _checkpoint_dir() -> str:
     return tempfile.mkdtemp(prefix="fsdp2-moe-")
 
 
-@functools.cache
-def _spawned() -> list[dict[str, dict[str, Any]]]:
-    return run_ranks(_all_libs, WORLD, _checkpoint_dir())
+@cached_outcome
+def _spawned(part: str) -> list[dict[str, dict[str, Any]]]:
+    return run_ranks(_all_libs, WORLD, part, _checkpoint_dir())
 
 
-def _results(lib_name: str) -> list[dict[str, Any]]:
-    return [out[lib_name] for out in _spawned()]
+def _results(lib_name: str, part: str) -> list[dict[str, Any]]:
+    return [out[lib_name] for out in _spawned(part)]
 
 
 @pytest.mark.parametrize(
     "lib_name,name", [("fsdp2", n) for n in CONFIGS] + [("fsdp2-in-place", n) for n in IN_PLACE_NAMES]
 )
 def test_parity_with_local_training(lib_name: str, name: str) -> None:
-    for out in _results(lib_name):
+    for out in _results(lib_name, _part(name)):
         assert isinstance(out[name], dict), out[name]
         assert out[name]["worst"] <= TOL, out[name]["worst"]
         if CONFIGS[name].get("clip"):
@@ -342,7 +369,7 @@ def test_parity_with_local_training(lib_name: str, name: str) -> None:
 
 @pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c.get("torch", True)])
 def test_torch_runs_the_same_script_with_the_same_placements_and_no_fewer_collectives(name: str) -> None:
-    for mine, theirs in zip(_results("fsdp2"), _results("torch")):
+    for mine, theirs in zip(_results("fsdp2", _part(name)), _results("torch", _part(name))):
         assert isinstance(theirs[name], dict), theirs[name]  # the script itself is right
         assert theirs[name]["worst"] <= CONFIGS[name].get("torch_tol", TOL), theirs[name]["worst"]
         assert mine[name]["placements"] == theirs[name]["placements"]
@@ -352,7 +379,7 @@ def test_torch_runs_the_same_script_with_the_same_placements_and_no_fewer_collec
 
 
 def test_experts_live_on_the_expert_mesh() -> None:
-    out = _results("fsdp2")[0]
+    out = _results("fsdp2", "layouts")[0]
     assert out["ep2"]["placements"]["blocks.0.moe.experts.w1"][0] == ("efsdp", "ep")
     assert out["ep2"]["placements"]["blocks.0.mix.weight"][0] == ("fsdp",)
     assert out["ep2_shard1"]["placements"]["blocks.0.moe.experts.w1"][1][0].dim == 1
@@ -362,12 +389,12 @@ def test_experts_live_on_the_expert_mesh() -> None:
 
 def test_default_division_is_per_mesh_as_torch() -> None:
     for lib_name in ("fsdp2", "torch"):
-        for out in _results(lib_name):
+        for out in _results(lib_name, "options"):
             assert out["default_division"] <= TOL, (lib_name, out["default_division"])
 
 
 def test_bf16_trains_as_torch() -> None:
-    for mine, theirs in zip(_results("fsdp2"), _results("torch")):
+    for mine, theirs in zip(_results("fsdp2", "options"), _results("torch", "options")):
         assert isinstance(mine["bf16"], dict) and isinstance(theirs["bf16"], dict), (mine["bf16"], theirs["bf16"])
         for a, b in zip(mine["bf16"]["losses"], theirs["bf16"]["losses"]):
             assert abs(a - b) <= 1e-2 * abs(b), (mine["bf16"]["losses"], theirs["bf16"]["losses"])
@@ -375,7 +402,7 @@ def test_bf16_trains_as_torch() -> None:
 
 def test_knobs_torch_refuses_with_several_meshes() -> None:
     for lib_name in ("fsdp2", "torch"):
-        out = _results(lib_name)[0]["knobs"]
+        out = _results(lib_name, "layouts")[0]["knobs"]
         assert isinstance(out, dict), out
         for name, message in out.items():
             assert "not supported" in message, (lib_name, name, message)
@@ -383,11 +410,16 @@ def test_knobs_torch_refuses_with_several_meshes() -> None:
 
 @pytest.mark.parametrize("lib_name", ["fsdp2", "torch"])
 def test_checkpoint_from_ep2_loads_at_ep1_and_at_two_ranks(lib_name: str) -> None:
-    for out in _results(lib_name):
+    for out in _results(lib_name, "layouts"):
         assert isinstance(out["checkpoint"], dict), out["checkpoint"]
         assert out["checkpoint"] == {"full": 0.0, "ep1": 0.0}
-    path = os.path.join(_checkpoint_dir(), lib_name)
-    assert run_ranks(_load_at_two, 2, lib_name, path) == [0.0, 0.0]
+    assert [out[lib_name] for out in _loaded_at_two()] == [0.0, 0.0]
+
+
+@cached_outcome
+def _loaded_at_two() -> list[dict[str, Any]]:
+    _results("fsdp2", "layouts")  # the checkpoints, both libraries'
+    return run_ranks(_load_at_two, 2, _checkpoint_dir())
 
 
 MISUSE = {
@@ -403,5 +435,5 @@ MISUSE = {
 
 @pytest.mark.parametrize("name", list(MISUSE))
 def test_misuse_is_refused_before_anything_changes(name: str) -> None:
-    message = _results("fsdp2")[0]["misuse"][name]
+    message = _results("fsdp2", "layouts")[0]["misuse"][name]
     assert MISUSE[name] in message and "[STATE CHANGED]" not in message, message

@@ -216,6 +216,8 @@ def _worker4(rank: int, world: int, lib_name: str, path_2d: str, path_hsdp: str)
     _section(out, "broadcast_2d", lambda: _broadcast_2d(lib, rank))
     _section(out, "save_hsdp", lambda: _save_hsdp(lib, path_hsdp))
     _section(out, "hsdp_to_dp4", lambda: _load("dp4", lib, path_hsdp, seed=8))
+    uneven = os.path.join(os.path.dirname(path_2d), "uneven")
+    _section(out, "uneven", lambda: _uneven_fsdp_over_tp(rank, world, lib_name, uneven))
     return out
 
 
@@ -409,9 +411,10 @@ def _uneven_fsdp_over_tp(rank: int, world: int, lib_name: str, path: str) -> dic
 
 
 @pytest.mark.parametrize("lib_name", LIBS)
-def test_uneven_fsdp_over_tp_full_tensor_and_checkpoint(lib_name: str, tmp_path: Any) -> None:
+def test_uneven_fsdp_over_tp_full_tensor_and_checkpoint(lib_name: str, ckpt_root: str) -> None:
     """FSDP over TP where both split a dim unevenly: ``full_tensor`` gives the original
     weights, and a DCP checkpoint of them loads into the same 2-D layout and into 1-D FSDP
-    over all ranks unchanged."""
-    for rank, out in enumerate(run_ranks(_uneven_fsdp_over_tp, 4, lib_name, str(tmp_path / "ckpt"))):
+    over all ranks unchanged. (Run in the 4-rank world of the tests above: a world of its
+    own per library cost a spawn and a warm-up for well under a second of work.)"""
+    for rank, out in enumerate(_get(_results(lib_name, ckpt_root)["w4"], "uneven")):
         assert out and all(out.values()), (rank, out)

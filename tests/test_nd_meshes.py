@@ -18,7 +18,10 @@ from _dist import run_ranks
 from _models import ToyModel, batch, full_params, impl, loss_fn
 
 WORLD = 4
-STEPS = 3
+# Two steps: the first (lazy init; AdamW's first update is about lr times the gradient's
+# sign) and one in steady state, whose update depends on both steps' gradient magnitudes:
+# a wrong reduction at either step shows at 1e-10. A third step repeated the second.
+STEPS = 2
 RTOL, ATOL = 1e-10, 1e-12
 EVEN = dict(vocab=12, dim=8, hidden=8)  # every dim divides by 4 (torch shards other dims only evenly)
 

@@ -18,13 +18,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp2
-from _dist import cached_outcome, run_ranks, run_scenarios
+from _dist import cached_outcome, run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
 from fsdp2.optim import _plan, local_step
 from fsdp2.optim import local_step_stats
 from fsdp2.params.param import sharded_owner as _managed_by
 
-STEPS = 4
+# The first step creates the optimizer's state (most classes), the second plans a flat
+# step and keeps the plan, the third reuses it: every path a longer run takes.
+STEPS = 3
 PER_RANK_BATCH = 2
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -173,8 +175,8 @@ def test_bucket_with_an_unused_parameter_steps_per_parameter(world: int) -> None
     """``extra`` gets no gradient every other step: the root's bucket steps per parameter
     then, and afterwards too (its step counts differ from the embedding's)."""
     result = _results(world)[0]["adamw/unused"]
-    # Steps 1..3 fast: the 3 blocks flat each time, the root never (no gradient for
-    # extra at steps 1 and 3, one step fewer counted for it than for emb at step 2).
+    # Steps 1..2 fast: the 3 blocks flat each time, the root never (no gradient for
+    # extra at step 1, one step fewer counted for it than for emb at step 2).
     assert result["fast"] == STEPS - 1 and result["flat"] == 3 * (STEPS - 1), result
 
 
@@ -276,7 +278,8 @@ def _worker_raise(rank: int, world: int, scalar_gate: bool) -> dict[str, Any]:
     make = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     out: dict[str, Any] = {}
-    for step in range(STEPS):
+    steps = 4  # step 2 raises: a regular step follows it
+    for step in range(steps):
         _train_step(model, ref, step, rank, world)
         if step == 2:
             # The step raises after the swap: the post-step hook never runs.
@@ -307,7 +310,7 @@ def _worker_raise(rank: int, world: int, scalar_gate: bool) -> dict[str, Any]:
 
     # Raised, then zero_grad on the aliases, then forward: the root forward repairs,
     # and the gradients the aliases dropped are dropped on the parameters too.
-    _train_step(model, ref, STEPS, rank, world)
+    _train_step(model, ref, steps, rank, world)
     with (
         mock.patch("torch.optim.sgd._single_tensor_sgd", side_effect=RuntimeError("injected")),
         pytest.raises(RuntimeError, match="injected"),
@@ -553,7 +556,7 @@ def _at(world: int) -> dict[str, list]:
     if world == 1:
         return run_scenarios(1, {
             "all": (_worker_all, ()), "threads": (_worker_threads, ()), "rehome": (_worker_rehome, ()),
-            "reuse": (_reuse_worker, ()),
+            "reuse": (_reuse_worker, ()), "dead_optimizer": (_dead_optimizer_worker, ()),
         })
     return run_scenarios(2, {
         "all": (_worker_all, ()), "fallbacks": (_worker_fallbacks, ()), "raise_True": (_worker_raise, (True,)),
@@ -592,4 +595,4 @@ def _dead_optimizer_worker(rank: int, world: int) -> str:
 
 
 def test_forward_after_failed_steps_of_a_collected_optimizer() -> None:
-    assert run_ranks(_dead_optimizer_worker, 1) == ["ok"]
+    assert _at(1)["dead_optimizer"] == ["ok"]

@@ -9,7 +9,8 @@ trains like the local model, through DCP's ``get/set_model_state_dict`` and
 ``clip_grad_norm_``. In 4 ranks: test_pipeline's torch-only run (torch's ``PipelineStage``
 and ``fully_shard`` names) trains like local training under the patch, also on the
 zero-bubble schedule torch's own ``fully_shard`` trains wrongly. The launcher itself:
-``torchrun -m fsdp2.patch script`` and ``python -m fsdp2.patch -m module``, in subprocesses.
+``torchrun -m fsdp2.patch script`` and ``python -m fsdp2.patch -m module``, in subprocesses
+(the same script without the launcher, the control, in this process).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
 import types
@@ -373,9 +375,20 @@ def test_launcher_torchrun_script() -> None:
     assert proc.stderr.count("fsdp2.patch:") == 1, proc.stderr  # rank 0 only
 
 
-def test_launcher_module_and_without_it() -> None:
+def test_launcher_module_and_without_it(capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     patched = _reports(_launch(["-m", "fsdp2.patch", "-m", "_patch_script", "--flag", "x"], TESTS))
-    plain = _reports(_launch([str(TESTS / "_patch_script.py")], ROOT))
+    # Without the launcher: the script as ``__main__`` in this process, where nothing
+    # applied the patch (no interpreter of its own: importing torch again proves nothing
+    # more; test_importing_fsdp2_leaves_torch_alone checks what importing fsdp2 does).
+    script = str(TESTS / "_patch_script.py")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # one process: the names only, no training
+    monkeypatch.setattr(sys, "argv", [script])
+    assert not fsdp2.patch.is_applied()
+    capfd.readouterr()
+    runpy.run_path(script, run_name="__main__")
+    out = capfd.readouterr().out
+    plain = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("PATCH_SCRIPT ")]
+    assert len(plain) == 1, out
     assert patched[0]["fully_shard"] == "fsdp2.fully_shard" and patched[0]["PipelineStage"] == "fsdp2.pipelining"
     assert patched[0]["argv"] == [str(TESTS / "_patch_script.py"), "--flag", "x"] and patched[0]["name"] == "__main__"
     assert plain[0]["fully_shard"].startswith("torch.") and plain[0]["PipelineStage"].startswith("torch.")

@@ -4,7 +4,6 @@ sizes, including the full/rank-0 options of its state_dict helpers."""
 
 from __future__ import annotations
 
-import functools
 import tempfile
 
 import pytest
@@ -22,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
 from _comm import CommCounter
-from _dist import run_ranks
+from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
 
 
@@ -88,7 +87,7 @@ def _roundtrip_worker(rank: int, world: int) -> dict:
 
 
 def test_state_dict_roundtrip_full_and_sharded() -> None:
-    for out in run_ranks(_roundtrip_worker, 3):
+    for out in _at(3)["roundtrip"]:
         assert all(out.values()), out
 
 
@@ -122,7 +121,7 @@ def _bad_load_worker(rank: int, world: int) -> dict:
 
 
 def test_bad_state_dicts_load_nothing() -> None:
-    for out in run_ranks(_bad_load_worker, 2):
+    for out in _at(2)["bad_load"]:
         assert set(out.values()) == {"ok"}, out
 
 
@@ -148,18 +147,33 @@ def _dcp_worker(rank: int, world: int, path: str, mode: str) -> dict:
     return {"params": full_params(model), "optim": full_optim, "fqn_keys": sorted(optim_sd["state"])}
 
 
-@functools.cache
-def _dcp_results() -> dict:
+@cached_outcome
+def _saved() -> tuple[str, dict]:
+    """The checkpoint saved at 4 ranks (its path) and rank 0's view of what it saved."""
     path = tempfile.mkdtemp(prefix="fsdp2-dcp-")
-    out = {4: run_ranks(_dcp_worker, 4, path, "save")[0]}
-    for world in (2, 3):
-        out[world] = run_ranks(_dcp_worker, world, path, "load")[0]
-    return out
+    return path, run_ranks(_dcp_worker, 4, path, "save")[0]
+
+
+@cached_outcome
+def _at(world: int) -> dict[str, list]:
+    """Every scenario of this file at ``world`` (2 or 3) ranks, one after the other in one
+    spawn (each builds its own model); loading the 4-rank checkpoint among them, unless
+    saving it failed (``test_dcp_save_at_4_load_at_other_world_sizes`` reports that)."""
+    try:
+        scenarios: dict[str, tuple] = {"load": (_dcp_worker, (_saved()[0], "load"))}
+    except Exception:  # noqa: BLE001 - re-raised by _saved() in the test that needs it
+        scenarios = {}
+    if world == 3:
+        scenarios["roundtrip"] = (_roundtrip_worker, ())
+    else:
+        scenarios.update(bad_load=(_bad_load_worker, ()), full=(_full_state_dict_worker, ()),
+                         meta_buffers=(_meta_buffers_worker, ()))
+    return run_scenarios(world, scenarios)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_dcp_save_at_4_load_at_other_world_sizes(world: int) -> None:
-    saved, loaded = _dcp_results()[4], _dcp_results()[world]
+    saved, loaded = _saved()[1], _at(world)["load"][0]
     assert saved["fqn_keys"] == loaded["fqn_keys"] == sorted(n for n, _ in ToyModel().named_parameters())
     for name, value in saved["params"].items():
         assert torch.equal(loaded["params"][name], value), name
@@ -188,7 +202,7 @@ def _full_state_dict_worker(rank: int, world: int) -> dict:
 
 
 def test_full_state_dict_rank0_and_broadcast_load() -> None:
-    for out in run_ranks(_full_state_dict_worker, 2):
+    for out in _at(2)["full"]:
         assert all(out.values()), out
 
 
@@ -210,5 +224,5 @@ def _meta_buffers_worker(rank: int, world: int) -> dict:
 
 
 def test_buffers_after_meta_init_behave_as_unsharded() -> None:
-    for out in run_ranks(_meta_buffers_worker, 2):
+    for out in _at(2)["meta_buffers"]:
         assert all(out.values()), out

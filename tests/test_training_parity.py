@@ -2,19 +2,19 @@
 
 Each world size runs every configuration in one set of spawned ranks (a module-level
 cache), and each test asserts one configuration. The same worker also runs with
-torch's own ``fully_shard`` swapped in, which keeps the reference honest.
+torch's own ``fully_shard`` swapped in (in the 4-rank spawn), which keeps the reference
+honest.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 
-from _dist import run_ranks
+from _dist import cached_outcome, run_ranks
 from _models import ToyModel, batch, copy_full_into_sharded, full_params, impl, loss_fn
 
 STEPS = 3
@@ -115,43 +115,60 @@ def _run_config(cfg: dict[str, Any], lib: Any, scalar_gate: bool, rank: int, wor
     return {"loss": worst_loss, "param": worst_param}
 
 
-def _worker(rank: int, world: int, lib_name: str, names: list[str]) -> dict[str, Any]:
-    lib = impl(lib_name)
-    out: dict[str, Any] = {}
-    for name in names:
-        try:
-            out[name] = _run_config(CONFIGS[name], lib, lib_name.startswith("fsdp2"), rank, world)
-        except AssertionError as e:
-            out[name] = f"assertion failed: {e}"
+def _worker(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, dict[str, Any]]:
+    """Each ``(implementation, configuration names)`` of ``runs`` in turn: the in-place
+    one, which changes how this process builds every bucket from then on, last."""
+    out: dict[str, dict[str, Any]] = {}
+    for lib_name, names in runs:
+        lib = impl(lib_name)
+        out[lib_name] = {}
+        for name in names:
+            try:
+                out[lib_name][name] = _run_config(CONFIGS[name], lib, lib_name.startswith("fsdp2"), rank, world)
+            except AssertionError as e:
+                out[lib_name][name] = f"assertion failed: {e}"
     return out
 
 
-@functools.cache
-def _results(world: int, lib_name: str, only: tuple[str, ...] = ()) -> dict[str, Any]:
-    names = [n for n, c in CONFIGS.items() if c.get("min_world", 1) <= world and (not only or n in only)]
-    return run_ranks(_worker, world, lib_name, names)[0]
+def _names(world: int) -> list[str]:
+    return [n for n, c in CONFIGS.items() if c.get("min_world", 1) <= world]
 
 
-CASES = [(w, n) for w in (1, 2, 3, 4) for n, c in CONFIGS.items() if c.get("min_world", 1) <= w]
+# Every configuration at 2 ranks gathers and reduces in place too; at 4 only what 2 cannot
+# show (the partial reshard's gather over a sub-group), to keep the suite's time in bounds.
+# torch's fully_shard runs every configuration at 4 ranks. One spawn per world size.
+RUNS: dict[int, list[tuple[str, list[str]]]] = {
+    1: [("fsdp2", _names(1))],
+    2: [("fsdp2", _names(2)), ("fsdp2-in-place", _names(2))],
+    3: [("fsdp2", _names(3))],
+    4: [("fsdp2", _names(4)), ("torch", _names(4)), ("fsdp2-in-place", ["reshard_int"])],
+}
+
+
+@cached_outcome
+def _results(world: int) -> dict[str, dict[str, Any]]:
+    return run_ranks(_worker, world, RUNS[world])[0]
+
+
+CASES = [(w, n) for w in (1, 2, 3, 4) for n in _names(w)]
 
 
 @pytest.mark.parametrize("world,name", CASES, ids=[f"{w}-{n}" for w, n in CASES])
 def test_parity(world: int, name: str) -> None:
-    result = _results(world, "fsdp2")[name]
+    result = _results(world)["fsdp2"][name]
     assert isinstance(result, dict), result
     assert result["loss"] <= 1e-10, result
 
 
-# Every configuration at 2 ranks; at 4 only what 2 cannot show (the partial reshard's
-# gather over a sub-group), to keep the suite's time in bounds.
-IN_PLACE_CASES = [(2, n) for n, c in CONFIGS.items() if c.get("min_world", 1) <= 2] + [(4, "reshard_int")]
+IN_PLACE_CASES = [(w, n) for w, runs in RUNS.items() for lib_name, names in runs if lib_name == "fsdp2-in-place"
+                  for n in names]
 
 
 @pytest.mark.parametrize("world,name", IN_PLACE_CASES, ids=[f"{w}-{n}" for w, n in IN_PLACE_CASES])
 def test_parity_gathering_and_reducing_in_place(world: int, name: str) -> None:
     """The gloo path of large buckets (gather as a sum over -0.0, gradients summed in the
     parameters' storage), forced on for every bucket of the small model."""
-    result = _results(world, "fsdp2-in-place", () if world == 2 else ("reshard_int",))[name]
+    result = _results(world)["fsdp2-in-place"][name]
     assert isinstance(result, dict), result
     assert result["loss"] <= 1e-10, result
 
@@ -159,6 +176,6 @@ def test_parity_gathering_and_reducing_in_place(world: int, name: str) -> None:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_reference_parity_with_torch_fully_shard(name: str) -> None:
     """The same scripts pass with torch.distributed.fsdp: the reference itself is right."""
-    result = _results(4, "torch")[name]
+    result = _results(4)["torch"][name]
     assert isinstance(result, dict), result
     assert result["loss"] <= 1e-10, result
