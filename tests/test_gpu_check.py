@@ -54,31 +54,27 @@ def run_tools(commands: list[list[str]], env: dict[str, str], timeout: float) ->
 
 
 @functools.cache
-def _without_cuda_and_quant() -> list[tuple[int, str, str]]:
-    """``gpu_check.py`` without CUDA, and ``gpu_check.py --quant --cpu``, in one interpreter."""
-    return run_tools([[SCRIPT], [SCRIPT, "--quant", "--cpu"]], ENV, timeout=600)
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], env={**os.environ, **ENV}, capture_output=True, text=True,
-                          timeout=600)
+def _runs() -> list[tuple[int, str, str]]:
+    """``gpu_check.py`` without CUDA, ``gpu_check.py --cpu --small`` (its ranks fork from
+    that interpreter) and ``gpu_check.py --quant --cpu``, in one interpreter."""
+    return run_tools([[SCRIPT], [SCRIPT, "--cpu", "--small"], [SCRIPT, "--quant", "--cpu"]], ENV, timeout=600)
 
 
 def test_without_cuda_it_says_so_and_passes() -> None:
-    rc, out, err = _without_cuda_and_quant()[0]
+    rc, out, err = _runs()[0]
     assert rc == 0 and "no CUDA device here" in out, out + err
 
 
 def test_checks_run_over_gloo() -> None:
-    proc = _run("--cpu", "--small")
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
-    assert len(rows) == 6 and all("| ok |" in row for row in rows), proc.stdout
-    assert "all parity checks passed" in proc.stdout
+    rc, out, err = _runs()[1]
+    assert rc == 0, out + err[-3000:]
+    rows = [line for line in out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert len(rows) == 6 and all("| ok |" in row for row in rows), out
+    assert "all parity checks passed" in out
 
 
 def test_quant_check_runs_on_the_cpu() -> None:
-    rc, out, err = _without_cuda_and_quant()[1]
+    rc, out, err = _runs()[2]
     assert rc == 0, out + err[-3000:]
     assert "| quantize | reference | float32 | int8 |" in out and "| int8 gather+reduce, reference |" in out, out
     assert "fused kernels agree with the reference bit for bit" in out, out

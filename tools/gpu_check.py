@@ -229,7 +229,9 @@ def _free_port() -> int:
 
 
 def _run_world(world: int, use_cuda: bool, small: bool, gloo: bool = False, hang_s: int = 300) -> list[tuple]:
-    ctx = mp.get_context("spawn")
+    # Without CUDA in this process the ranks fork from it (torch and fsdp2 imported once,
+    # not once per rank: most of a --cpu --small run); with CUDA, fresh interpreters.
+    ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, use_cuda, small, gloo, hang_s, results)) for r in range(world)]
