@@ -72,10 +72,11 @@ def _entry(env: dict[str, str], call: bytes, rank: int, world: int, port: int, r
 # What the fork server imports once, so that no rank imports it again: torch and the
 # pieces of it every test uses, pytest (every test module imports it) and fsdp2, which
 # reads no environment variable at import (those it reads, it reads when called).
-# Together ~0.75 s of CPU per rank otherwise, on hundreds of ranks a suite.
+# Together ~0.75 s of CPU per rank otherwise, on hundreds of ranks a suite. Inductor's
+# compiler too (~1.4 s a rank that compiles, a dozen a suite; it starts no thread at import).
 PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch.distributed.checkpoint",
-    "torch.distributed.pipelining", "pytest", "fsdp2",
+    "torch.distributed.pipelining", "torch._inductor.compile_fx", "pytest", "fsdp2",
 ]
 
 
