@@ -5,6 +5,7 @@ sizes, including the full/rank-0 options of its state_dict helpers."""
 from __future__ import annotations
 
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 import fsdp2
 from _comm import CommCounter
 from _dist import cached_outcome, run_ranks, run_scenarios
-from _models import ToyModel, batch, full_params, loss_fn
+from _models import ToyModel, batch, full_params, impl, loss_fn
 
 
 class WithBuffers(ToyModel):
@@ -168,6 +169,7 @@ def _at(world: int) -> dict[str, list]:
     else:
         scenarios.update(bad_load=(_bad_load_worker, ()), full=(_full_state_dict_worker, ()),
                          meta_buffers=(_meta_buffers_worker, ()))
+        scenarios.update({f"pickle {lib}": (_pickle_worker, (lib,)) for lib in ("fsdp2", "torch")})
     return run_scenarios(world, scenarios)
 
 
@@ -226,3 +228,49 @@ def _meta_buffers_worker(rank: int, world: int) -> dict:
 def test_buffers_after_meta_init_behave_as_unsharded() -> None:
     for out in _at(2)["meta_buffers"]:
         assert all(out.values()), out
+
+
+def _pickle_worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
+    """Sharded parameters through ``torch.save`` / ``torch.load`` (one, and the model's
+    list, as fault-tolerance and EMA helpers save them) and ``copy.deepcopy``: what comes
+    back, as seen from this rank."""
+    import copy
+    import io
+
+    lib = impl(lib_name)
+    torch.manual_seed(0)
+    model = ToyModel(scalar_gate=False).double()
+    for block in model.blocks:
+        lib.fully_shard(block)
+    lib.fully_shard(model)
+    params = list(model.parameters())
+    one = model.blocks[1].fc2.weight  # in fsdp2, a view into its bucket's flat shard, past its start
+
+    def same(got: Any, want: torch.Tensor) -> list:
+        return [type(got).__name__, isinstance(got, torch.nn.Parameter), got.requires_grad,
+                torch.equal(got.to_local(), want.to_local()), got.placements == want.placements]
+
+    def through_save(obj: Any) -> Any:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    out: dict[str, Any] = {}
+    for name, make in (("one", lambda: same(through_save(one), one)),
+                       ("list", lambda: [same(g, w) for g, w in zip(through_save(params), params)]),
+                       ("deepcopy", lambda: same(copy.deepcopy(one), one))):
+        try:
+            out[name] = make()
+        except Exception as e:  # noqa: BLE001 - reported per case
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("case", ["one", "list", "deepcopy"])
+def test_sharded_parameters_save_load_and_deepcopy_as_torch(case: str) -> None:
+    for mine, theirs in zip(_at(2)["pickle fsdp2"], _at(2)["pickle torch"]):
+        assert isinstance(theirs[case], list), theirs[case]  # the script itself is right
+        assert mine[case] == theirs[case], (mine[case], theirs[case])
+        rows = mine[case] if case == "list" else [mine[case]]
+        assert all(row[3] and row[4] for row in rows), rows  # the same values and placements

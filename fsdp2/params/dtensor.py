@@ -51,6 +51,16 @@ def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) ->
     return out
 
 
+def make_parameter(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
+    """``nn.Parameter(make_dtensor(local, spec))`` as ``nn.Parameter`` makes one of a tensor
+    subclass (the tensor itself, marked ``_is_param``, ``requires_grad`` set), without its
+    ``detach()``: DTensor's detach rebuilds the wrapper at ``local``'s storage offset, the
+    one ``make_dtensor`` leaves out, and the parameter could not be saved or deep-copied."""
+    param = make_dtensor(local, spec, requires_grad=requires_grad)
+    param._is_param = True
+    return param
+
+
 def spmd_placements(
     spmd: SpmdDims, placements: tuple[Placement, ...], fsdp: Placement, dim: int
 ) -> tuple[DeviceMesh, tuple[Placement, ...]]:

@@ -25,7 +25,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..comm.mesh import MeshInfo
-from .dtensor import concatenate_meshes, contiguous_stride, make_dtensor, spec_where_it_is, spmd_placements
+from .dtensor import (
+    concatenate_meshes, contiguous_stride, make_dtensor, make_parameter, spec_where_it_is, spmd_placements,
+)
 from .layout import ShardLayout
 from .subclass import KeepObject, SubclassWrapper, has_extension, late_wrapper
 
@@ -173,10 +175,9 @@ class FSDPParam:
         as the subclass the parameter was when it has an all-gather extension."""
         if self.wrapper is not None:
             local = self.wrapper.wrap(local)
-        param = nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
-        if isinstance(self.wrapper, KeepObject):
-            param._local_tensor = local  # nn.Parameter detached it: hooks are bound to this object
-        return param
+        # ``local`` itself, not a detached alias: hooks bound to it (``KeepObject``) stay bound.
+        spec = spec_where_it_is(local, self.mesh, self.placements, self.shape, self.stride)
+        return make_parameter(local, spec, requires_grad)
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard of this parameter as a DTensor of the full shape, where the
