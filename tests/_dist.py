@@ -38,6 +38,7 @@ def free_port() -> int:
 
 def _entry(env: dict[str, str], call: bytes, rank: int, world: int, port: int, results: Any) -> None:
     import torch
+    import torch.distributed as dist
 
     # The caller's environment as it is now (the fork server's is from when it started),
     # set before the function and its module are unpickled.
