@@ -14,12 +14,14 @@ from .fully_shard import fully_shard
 from .optim import clip_grad_norm_
 from .params.state_dict import StateDictError
 from .planning import plan
+from .runtime.finalize import GradientReductionHandle
 
 __all__ = [
     "BlockQuantization",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ShardPlacementResult",

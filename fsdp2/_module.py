@@ -9,6 +9,7 @@ import sys
 import types
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import _classes
@@ -16,6 +17,7 @@ from ._knobs import CommKnobs, check_bool
 from ._validate import reshard_after_forward_value
 from .params.state_dict import validate_state_dict
 from .runtime.adopt import rebind
+from .runtime.finalize import GradientReductionHandle
 from .runtime.group import ParamGroup, ShardState, TrainingState
 from .runtime.state import FSDPState
 
@@ -106,6 +108,50 @@ class FSDPModule(CommKnobs):
             )
         group.is_last_backward = is_last_backward
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root module: ``True`` makes the caller finalize backward. The end of a
+        backward then reduces nothing and writes no ``.grad``; ``finalize_backward()``,
+        called after all the backwards of one logical step, reduces (per the current
+        ``set_requires_gradient_sync`` / ``set_reshard_after_backward``) and writes
+        them. Supersedes ``set_is_last_backward``. Takes effect from the next backward;
+        changing it during backward or between a backward and its finalize raises."""
+        check_bool("set_manual_backward_finalization", enabled)
+        group = self._fsdp2_state.group
+        ctx = group.ctx
+        if ctx is not None and ctx.root is not group:
+            raise RuntimeError(
+                "set_manual_backward_finalization must be called on the root module (the outermost module "
+                f"fully_shard was applied to), not on {type(self).__name__}"
+            )
+        if ctx is not None and enabled != ctx.manual:
+            if ctx.in_backward and torch._C._current_graph_task_id() != -1:
+                raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+            if ctx.manual_active is not None:
+                raise RuntimeError(
+                    "set_manual_backward_finalization cannot change mode after backward started: call "
+                    "finalize_backward() (or reset_iter_state()) first"
+                )
+        group.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """With manual finalization (``set_manual_backward_finalization(True)``), after
+        all backwards of one step: reduce the gradients that wait, reshard, and (unless
+        ``async_op``) wait and write ``.grad``. With ``async_op=True`` return a
+        ``GradientReductionHandle`` whose ``wait()`` does the last part; call it before
+        the next forward, finalize, or any use of the gradients. A no-op before the
+        root's first forward; on the root module only."""
+        check_bool("finalize_backward(async_op=...)", async_op)
+        group = self._fsdp2_state.group
+        ctx = group.ctx
+        if ctx is None:
+            return GradientReductionHandle() if async_op else None
+        if ctx.root is not group:
+            raise RuntimeError(
+                "finalize_backward must be called on the root module (the outermost module fully_shard "
+                f"was applied to), not on {type(self).__name__}"
+            )
+        return ctx.finalize(async_op)
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False`` accumulates unsharded gradients locally without communication
         (gradient accumulation); the next backward with ``True`` reduces the sum."""
@@ -153,6 +199,20 @@ class FSDPModule(CommKnobs):
         check_bool("set_reshard_after_backward", reshard_after_backward)
         for g in self._target_groups(recurse):
             g.reshard_after_backward = reshard_after_backward
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """``True`` keeps the unsharded parameters' storage when resharding: the next
+        unshard gathers into the same memory, so its data pointers stay the same across
+        steps (what CUDA graph capture needs), at the cost of holding the full
+        parameters. ``False`` (the default) frees it at each reshard, and frees now what
+        a resharded group kept. (Parameters with an all-gather extension gather into
+        their own tensors: those are not kept.)"""
+        check_bool("set_keep_unsharded_storage", keep)
+        for g in self._target_groups(recurse):
+            g.user_comm.keep_unsharded_storage = keep
+            if not keep and g.shard_state is ShardState.SHARDED:
+                for b in g.buckets:
+                    b.free_unsharded()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: this module's parameters are not all-gathered for backward, for
@@ -208,6 +268,12 @@ class FSDPModule(CommKnobs):
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
         rebind(group)
         return out
+
+    def _get_fsdp_state(self) -> FSDPState:
+        """torch 2.15's schedules (``defer_reduce_grad_wait``) tell stages apart by
+        ``_get_fsdp_state()._comm_ctx``: this module's state, whose ``_comm_ctx`` is its
+        own (fsdp2's roots share no communication context that could clash)."""
+        return self._fsdp2_state
 
     def _target_groups(self, recurse: bool) -> list[ParamGroup]:
         return groups_under(self) if recurse else [self._fsdp2_state.group]

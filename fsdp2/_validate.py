@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._compat import TORCH, has_explicit_grad_dtype
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .comm.mesh import SpmdDims
 
@@ -110,6 +111,29 @@ def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> 
             "pass fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy()"
         )
     return mp_policy, offload_policy
+
+
+def param_dtypes(
+    mp_policy: MixedPrecisionPolicy, params: list[nn.Parameter], fqns: dict[torch.Tensor, str]
+) -> list[tuple[torch.dtype | None, torch.dtype]]:
+    """Each parameter's (gather dtype, ``None``: its own; gradient dtype): the policy's
+    ``param_dtype_override_fn`` called once per parameter, and its ``grad_dtype`` if set.
+    Raises before anything changes."""
+    out = []
+    for p in params:
+        try:
+            gathered = mp_policy.param_dtype_for(p)
+        except ValueError as e:
+            raise ValueError(f"parameter {fqns[p]}: {e}") from None
+        grad = p.grad_dtype if has_explicit_grad_dtype(p) else p.dtype
+        if grad is None and mp_policy.reduce_dtype is None and TORCH.reduce_follows_grad_dtype and p.requires_grad:
+            raise ValueError(
+                f"parameter {fqns[p]} has grad_dtype=None (any gradient dtype) and the policy no reduce_dtype: "
+                "its gradient's dtype could differ between ranks. Set MixedPrecisionPolicy(reduce_dtype=...) "
+                "or give the parameter a grad_dtype"
+            )
+        out.append((gathered, p.dtype if grad is None else grad))
+    return out
 
 
 def _from_torch(policy: Any, ours: tuple[type, ...]) -> Any:

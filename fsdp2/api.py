@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
+from ._compat import TORCH
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -79,10 +83,18 @@ class MixedPrecisionPolicy:
     Attributes:
         param_dtype: dtype of the unsharded parameters, so of the all-gather and
             of forward/backward compute. ``None`` keeps each parameter's dtype.
-        reduce_dtype: dtype of the gradient reduce-scatter. ``None`` means
-            ``param_dtype`` (or the parameter's dtype when that is ``None`` too).
+        reduce_dtype: dtype of the gradient reduce-scatter, and of gradients accumulated
+            without synchronization. ``None`` follows the installed torch: on torch 2.15,
+            each parameter's gradient dtype (its ``grad_dtype`` if set, else its own dtype:
+            float32 masters reduce in float32 under a bf16 ``param_dtype``); on torch
+            2.13 and 2.14, ``param_dtype`` (or the parameter's dtype when that is ``None``).
         output_dtype: dtype that floating-point forward outputs are cast to.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        param_dtype_override_fn: keyword only (torch 2.15's, on every torch). Called once
+            per parameter at ``fully_shard``: ``None`` or ``param_dtype`` keeps the policy's
+            ``param_dtype`` for it, the parameter's own dtype keeps it unconverted (e.g. a
+            norm's or router's weight in float32); nothing else is allowed. Forward inputs
+            are still cast to ``param_dtype``. It must answer alike on every rank.
         quantize_gather: fsdp2 only, keyword only. ``"int8"``, ``"fp8"`` (float8 e4m3) or
             a ``BlockQuantization``: each rank sends its full-precision shards quantized
             blockwise (one float32 scale per block) and the parameters are rebuilt in
@@ -103,17 +115,45 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
     _: KW_ONLY
+    param_dtype_override_fn: Callable[[nn.Parameter], torch.dtype | None] | None = None
     quantize_gather: BlockQuantization | str | None = None
     quantize_reduce: BlockQuantization | str | None = None
 
     def __repr__(self) -> str:
-        """torch's, plus the quantization fields that are set (so an unquantized policy
-        prints exactly as torch's does)."""
+        """The installed torch's, plus the fsdp2 fields that are set (so a policy torch
+        could build prints exactly as torch's does)."""
         names = ["param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"]
+        if TORCH.policy_shows_override_fn or self.param_dtype_override_fn is not None:
+            names.append("param_dtype_override_fn")
         names += [n for n in ("quantize_gather", "quantize_reduce") if getattr(self, n) is not None]
         return f"MixedPrecisionPolicy({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
 
+    def param_dtype_for(self, param: torch.Tensor) -> torch.dtype | None:
+        """The dtype ``param`` is gathered and computed in under this policy (``None``:
+        its own), ``param_dtype_override_fn`` applied and checked as torch 2.15 does."""
+        if self.param_dtype_override_fn is None:
+            return self.param_dtype
+        chosen = self.param_dtype_override_fn(param)  # type: ignore[arg-type]
+        if chosen is None:
+            return self.param_dtype
+        if not isinstance(chosen, torch.dtype):
+            raise ValueError(  # noqa: TRY004 - torch 2.15 raises ValueError here
+                f"param_dtype_override_fn must return a torch.dtype or None, got {type(chosen).__name__} {chosen!r}"
+            )
+        if chosen not in (self.param_dtype, param.dtype):
+            raise ValueError(
+                f"param_dtype_override_fn must return None, param_dtype ({self.param_dtype}) or the "
+                f"parameter's own dtype ({param.dtype}), got {chosen} for a parameter of shape "
+                f"{tuple(param.shape)}; other dtypes are not supported"
+            )
+        return chosen
+
     def __post_init__(self) -> None:
+        if self.param_dtype_override_fn is not None and not callable(self.param_dtype_override_fn):
+            raise TypeError(
+                "MixedPrecisionPolicy.param_dtype_override_fn expects a callable (parameter -> dtype or "
+                f"None) or None, got {type(self.param_dtype_override_fn).__name__}"
+            )
         for name in ("quantize_gather", "quantize_reduce"):
             object.__setattr__(self, name, as_quantization(getattr(self, name), name))
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):

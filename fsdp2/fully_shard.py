@@ -21,6 +21,7 @@ from ._module import FSDPModule, fsdp_class
 from ._placement import MeshTarget, resolve_placements
 from ._validate import (
     default_mesh,
+    param_dtypes,
     reshard_after_forward_value,
     validate_dp_mesh_dims,
     validate_ignored,
@@ -108,6 +109,7 @@ def fully_shard(
     params = list(owners)
     default = MeshTarget(mesh, spmd)
     placed = resolve_placements(params, fqns, shard_placement_fn, default)
+    dtypes = param_dtypes(mp_policy, params, fqns)
     targets = list(dict.fromkeys([default, *(pl.target for pl in placed)]))
     used = list(dict.fromkeys(pl.target for pl in placed)) or [default]
     # Checked against every mesh, the call's own too (as torch); an int equal to the shard
@@ -119,6 +121,8 @@ def fully_shard(
     device = mesh_device(mesh)
     infos = {t: MeshInfo.from_mesh(t.mesh, t.spmd) for t in targets}
     fsdp_params = [FSDPParam(fqns[p], owners[p], p, infos[pl.target], pl.dim) for p, pl in zip(params, placed)]
+    for fp, (gathered, grad) in zip(fsdp_params, dtypes):
+        fp.policy_dtype, fp.grad_dtype = gathered, grad
     shard_device = torch.device("meta") if any(p.device.type == "meta" for p in params) else device
     group = ParamGroup(
         fsdp_params, params, modules, infos[default], shard_device, mp_policy, reshard_after_forward, offload_policy

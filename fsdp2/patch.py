@@ -46,13 +46,23 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from ._compat import stage_drives_fsdp_publicly
+
 __all__ = ["Patch", "applied", "apply", "is_applied", "main", "undo"]
 
-# torch 2.13's public fully_shard names, rebound where torch has them.
+# torch's public fully_shard names (2.13's, and 2.15's GradientReductionHandle), rebound
+# where the installed torch has them.
 FSDP_NAMES = (
     "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
     "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx", "DataParallelMeshDims",
+    "GradientReductionHandle",
 )
+# torch 2.15's pipelining drives FSDP modules through public methods only: there torch's
+# own stage and schedules are given fsdp2's names too, and drive fsdp2's modules
+# (``_compat.stage_drives_fsdp_publicly``). Before 2.15 they reach into torch's FSDP
+# internals: they keep torch's names, and torch's PipelineStage becomes fsdp2's.
+PIPELINE_MODULES = ("torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules")
+PIPELINE_NAMES = ("FSDPModule", "UnshardHandle", "GradientReductionHandle")
 USAGE = "usage: python -m fsdp2.patch SCRIPT [ARGS...] | python -m fsdp2.patch -m MODULE [ARGS...]"
 
 
@@ -161,7 +171,8 @@ def _swaps() -> dict[int, tuple[Any, Any]]:
     from fsdp2 import pipelining  # imported before the rebind: it subclasses torch's stage
 
     pairs = [(getattr(theirs, n), getattr(fsdp2, n)) for n in FSDP_NAMES if hasattr(theirs, n)]
-    pairs.append((torch_pipelining.PipelineStage, pipelining.PipelineStage))
+    if not stage_drives_fsdp_publicly():
+        pairs.append((torch_pipelining.PipelineStage, pipelining.PipelineStage))
     return {id(t): (t, o) for t, o in pairs}
 
 
@@ -178,6 +189,8 @@ def _bindings(module: Any, name: str, swaps: dict[int, tuple[Any, Any]]) -> list
         if not _public_torch(name):
             return []  # torch's private modules stay torch's (dynamo's guards read them by path)
         read = _names_read(module)
+        if name in PIPELINE_MODULES and stage_drives_fsdp_publicly():
+            read -= set(PIPELINE_NAMES)
         found = [(k, v) for k, v in found if k not in read]
     return found
 

@@ -110,6 +110,7 @@ def test_public_surface_matches_torch() -> None:
     # ours only: a bad load_state_dict's error, clipping across meshes, per-parameter meshes
     # without a private import, quantized collectives' settings
     extras = {"StateDictError", "clip_grad_norm_", "ShardPlacementResult", "BlockQuantization"}
+    extras |= {n for n in TORCH_215_NAMES if not hasattr(torch_fsdp, n)}  # torch 2.15's, on every torch
     for name in set(fsdp2.__all__) - extras:
         assert hasattr(torch_fsdp, name), name
     for name in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
@@ -130,11 +131,13 @@ def test_public_surface_matches_torch() -> None:
     assert fsdp2.CPUOffloadPolicy().pin_memory is True
 
 
+# torch 2.15's public names fsdp2 has on every torch.
+TORCH_215_NAMES = ("GradientReductionHandle",)
 # torch 2.13's public FSDP2 names (``torch.distributed.fsdp``'s fully_shard API; the
 # FSDP1 names that module also exports are not part of the drop-in promise).
 FSDP2_NAMES = (
     "CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-    "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx",
+    "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx", *TORCH_215_NAMES,
 )
 
 
@@ -170,8 +173,11 @@ def test_public_api_matches_the_installed_torch() -> None:
     for cls in ("MixedPrecisionPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"):
         ours_params = _parameters(getattr(fsdp2, cls))
         if cls == "MixedPrecisionPolicy":  # torch's fields first, as torch has them; then fsdp2's keyword-only ones
-            extra = [p for p in ours_params if p[0] in ("quantize_gather", "quantize_reduce")]
-            assert [(p[1], p[2]) for p in extra] == [(inspect.Parameter.KEYWORD_ONLY, "None")] * 2, extra
+            names = ["quantize_gather", "quantize_reduce"]
+            if "param_dtype_override_fn" not in inspect.signature(theirs.MixedPrecisionPolicy).parameters:
+                names.append("param_dtype_override_fn")  # torch 2.15's, on every torch
+            extra = [p for p in ours_params if p[0] in names]
+            assert [(p[1], p[2]) for p in extra] == [(inspect.Parameter.KEYWORD_ONLY, "None")] * len(names), extra
             ours_params = [p for p in ours_params if p not in extra]
         assert ours_params == _parameters(getattr(theirs, cls)), cls
     # New torch names: any public name of torch's _fully_shard package fsdp2 lacks.

@@ -16,6 +16,7 @@ import torch
 
 from _dist import run_ranks
 from _models import ToyModel, batch, full_params, impl, loss_fn
+from fsdp2._compat import TORCH
 
 STEPS = 3
 PER_RANK_BATCH = 2
@@ -27,8 +28,13 @@ def _reference_step(master: torch.nn.Module, world: int, ids: torch.Tensor, targ
     sums = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
     total = 0.0
     for ids_r, tg_r in zip(ids.chunk(world), targets.chunk(world)):
-        for ids_mb, tg_mb in zip(ids_r.chunk(micro), tg_r.chunk(micro)):
+        for mb, (ids_mb, tg_mb) in enumerate(zip(ids_r.chunk(micro), tg_r.chunk(micro))):
             compute.zero_grad()
+            # torch 2.15 takes the first of several accumulating backwards' gradients in
+            # fp32, each contribution (the tied weight's two) cast before summing.
+            wide = TORCH.accumulates_in_reduce_dtype and micro > 1 and mb == 0
+            for p in compute.parameters():
+                p.grad_dtype = torch.float32 if wide else torch.bfloat16
             loss = loss_fn(compute(ids_mb), tg_mb) / micro
             loss.backward()
             total += loss.item()

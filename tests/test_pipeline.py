@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from _comm import CommCounter
 from _dist import run_ranks
 from _models import impl
+from fsdp2._compat import stage_drives_fsdp_publicly
 
 VOCAB, DIM, HIDDEN, BLOCKS, MICRO_BATCHES, STEPS, PER_RANK_BATCH = 11, 6, 7, 4, 2, 2, 8
 # Each micro-batch and step is a chain of point-to-point hand-offs between the ranks,
@@ -36,6 +37,17 @@ V_SHAPED = {"ZBVZeroBubble", "DualPipeV"}
 SPLIT_BACKWARD = {"ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"}
 CONFIGS = [(s, None) for s in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")]
 CONFIGS += [(s, raf) for s in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble") for raf in (True, False)]
+
+
+# torch 2.15's own stage and schedules drive fsdp2's modules through public methods under
+# the launcher (``fsdp2.patch``): each schedule, and the schedule options of 2.15 that act on
+# FSDP modules. Run where the installed torch's pipelining does so (none before 2.15).
+PUBLIC = [
+    ("GPipe", None, "plain"), ("1F1B", None, "plain"), ("Interleaved1F1B", None, "plain"),
+    ("ZBVZeroBubble", False, "plain"), ("Interleaved1F1B", None, "defer_reduce_grad_wait"),
+    ("Interleaved1F1B", None, "unshard_lookahead"), ("1F1B", None, "finalize_gradients"),
+]
+PUBLIC = PUBLIC if stage_drives_fsdp_publicly() else []
 
 
 def _torch_trains_it(schedule: str, raf: bool | None) -> bool:
@@ -128,7 +140,16 @@ def worst_excess(modules: list[nn.Module], ref: nn.Module) -> float:
     return worst
 
 
-def _run(lib_name: str, schedule: str, raf: bool | None, rank: int, adapter: str = "PipelineStage") -> dict[str, Any]:
+def _run(
+    lib_name: str, schedule: str, raf: bool | None, rank: int, adapter: str = "PipelineStage", option: str = "plain"
+) -> dict[str, Any]:
+    """One schedule's training run; ``adapter="launcher"``: torch's own stage (and, for
+    fsdp2, under ``fsdp2.patch``), with one of torch 2.15's schedule ``option``s."""
+    if adapter == "launcher" and lib_name == "fsdp2":
+        import fsdp2.patch
+
+        with fsdp2.patch.applied():
+            return _run(lib_name, schedule, raf, rank, "none", option)
     import torch.distributed.pipelining as pp
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -155,19 +176,28 @@ def _run(lib_name: str, schedule: str, raf: bool | None, rank: int, adapter: str
             stages.append(make_stage(module, index, count, torch.device("cpu"), group=mesh["pp"].get_group()))
     schedule_cls = getattr(pp, "Schedule" + schedule)
     micro_batches = max(MICRO_BATCHES, count) if schedule == "DualPipeV" else MICRO_BATCHES
-    runner = schedule_cls(stages if count == 4 else stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
+    options = {option: True if option == "defer_reduce_grad_wait" else "auto"} if option in ("defer_reduce_grad_wait", "unshard_lookahead") else {}
+    runner = schedule_cls(stages if count == 4 else stages[0], n_microbatches=micro_batches, loss_fn=loss_fn, **options)
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=0.05, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
     counts = []
     for step in range(STEPS):
         ids, targets = _batch(step)
         ref_opt.zero_grad()
-        loss_fn(ref(ids), targets).backward()
+        if option == "finalize_gradients":  # the two calls' losses add up
+            sum(loss_fn(ref(ids[i::2]), targets[i::2]) for i in range(2)).backward()
+        else:
+            loss_fn(ref(ids), targets).backward()
         ref_opt.step()
         rows = slice(dp_rank * PER_RANK_BATCH, (dp_rank + 1) * PER_RANK_BATCH)
         kwargs = {"target": targets[rows]} if count - 1 in mine else {}
         with CommCounter().active() as counter:
-            runner.step(*([ids[rows]] if 0 in mine else []), **kwargs)
+            if option == "finalize_gradients":  # the step's batch in two calls, reduced once
+                for i, last in ((0, False), (1, True)):
+                    part = {k: v[i::2] for k, v in kwargs.items()}
+                    runner.step(*([ids[rows][i::2]] if 0 in mine else []), finalize_gradients=last, **part)
+            else:
+                runner.step(*([ids[rows]] if 0 in mine else []), **kwargs)
         counts.append(dict(counter.calls))
         opt.step()
         opt.zero_grad()
@@ -181,6 +211,8 @@ def _worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     for schedule, raf in CONFIGS:
         if lib_name == "fsdp2" or _torch_trains_it(schedule, raf):
             out[f"{schedule}-{raf}"] = _run(lib_name, schedule, raf, rank)
+    for schedule, raf, option in PUBLIC:
+        out[f"public-{schedule}-{raf}-{option}"] = _run(lib_name, schedule, raf, rank, "launcher", option)
     if lib_name == "fsdp2":
         out["adapt_stage"] = _run(lib_name, "Interleaved1F1B", None, rank, adapter="adapt_stage")
         # (Its own world once: these ranks serve as well, a spawn and a warm-up saved.)
@@ -236,3 +268,34 @@ def test_stage_built_before_fully_shard() -> None:
         assert run["worst"] <= 1.0, (rank, run)
         for step in run["counts"]:
             assert step.get("reduce", 0) == run["groups"], (rank, run)
+
+
+LAUNCHER_CASES = PUBLIC or [("torch-before-2.15", None, "PipelineStage")]
+
+
+@pytest.mark.parametrize("schedule,raf,option", LAUNCHER_CASES, ids=[f"{s}-{r}-{o}" for s, r, o in LAUNCHER_CASES])
+def test_torch_stage_drives_fsdp2_under_the_launcher(schedule: str, raf: bool | None, option: str) -> None:
+    """torch 2.15: torch's own ``PipelineStage`` and schedules, fsdp2's modules, the launcher
+    giving torch's pipelining fsdp2's ``FSDPModule``: exact, one reduce per group per step,
+    and no more collectives than torch's ``fully_shard`` on the same schedule. Before 2.15
+    (torch's stage reaches into its FSDP's internals) the launcher makes torch's
+    ``PipelineStage`` name fsdp2's stage instead."""
+    if not PUBLIC:
+        import torch.distributed.pipelining as pp
+
+        import fsdp2.patch
+        from fsdp2.pipelining import PipelineStage
+
+        with fsdp2.patch.applied():
+            assert pp.PipelineStage is PipelineStage
+        assert pp.PipelineStage is not PipelineStage
+        return
+    key = f"public-{schedule}-{raf}-{option}"
+    for rank, (ours, theirs) in enumerate(zip(_results("fsdp2"), _results("torch"))):
+        mine, torch_run = ours[key], theirs[key]
+        assert mine["worst"] <= 1.0, (rank, mine)
+        assert torch_run["worst"] <= 1.0, (rank, torch_run)
+        for a, b in zip(mine["counts"], torch_run["counts"]):
+            assert a.get("reduce", 0) == mine["groups"], (rank, mine)
+            for kind in ("all_gather", "reduce"):
+                assert a.get(kind, 0) <= b.get(kind, 0), (rank, kind, mine["counts"], torch_run["counts"])

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .._compat import TORCH
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from .commit import GradCommit
@@ -179,11 +180,28 @@ class FlatBucket:
         # accumulates by whatever path the module's computation took.
         for p, view in zip(self.params, self.unsharded_views):
             p.set_unsharded(view)
+        self._leaves_accumulate_wide = False
         self.update_direct()
         # How many references to the unsharded storage are our own (the tensors above);
         # any more means some tensor outside, e.g. one autograd saved, can still read it.
         self._own_storage_refs = _storage_refs(flat)
         self.free_unsharded()
+
+    def accumulate_leaves_wide(self, wide: bool) -> None:
+        """At each backward: ``wide`` (the first of several backwards accumulating
+        without synchronization) makes the leaves take their gradients in the reduce
+        dtype, autograd casting each contribution (a tied weight's two) before summing
+        them, as torch 2.15 does (its leaf has no gradient yet and the reduce dtype as
+        ``grad_dtype``; later backwards add to that gradient in the compute dtype's sum).
+        Otherwise, and before 2.15, in the compute dtype, cast once at the deposit."""
+        wide = wide and TORCH.accumulates_in_reduce_dtype and self.reduce_dtype != self.compute_dtype
+        if wide == self._leaves_accumulate_wide:
+            return
+        self._leaves_accumulate_wide = wide
+        for p in self.params:
+            leaf = p.unsharded
+            if p.tp is None and leaf is not None and leaf.requires_grad:
+                leaf.grad_dtype = self.reduce_dtype if wide else leaf.dtype
 
     def update_direct(self) -> None:
         """One rank, no dtype change on the way in or out, no user hook or collective: the
@@ -223,9 +241,13 @@ class FlatBucket:
         if self.in_place is not None and self.reduce.is_plain:
             self.in_place.lend(self.reduce)
 
-    def free_unsharded(self) -> None:
+    def free_unsharded(self, *, even_kept: bool = False) -> None:
+        """Release the unsharded storage, unless the user asked to keep it (then its data
+        pointers survive until ``even_kept``: the keep is turned off, or a device move)."""
         if self.extension_gather is not None:
             self.extension_gather.free()
+        if self.user.keep_unsharded_storage and not even_kept:
+            return
         if not self.gather_is_identity and not self.storage_lent:
             self.unsharded_flat.untyped_storage().resize_(0)
 

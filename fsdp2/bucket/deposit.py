@@ -36,6 +36,10 @@ class Deposits:
     state: ReduceState
     deposited: list[bool]  # per reduced parameter: a gradient was deposited since the last reduce
 
+    def is_accumulating(self) -> bool:
+        """Gradients of an earlier backward wait in the reduce input."""
+        return self.state is ReduceState.ACCUMULATING
+
     def has_unsharded_grads(self) -> bool:
         """Some unsharded leaf holds a gradient not yet moved into the reduce input."""
         return any(p.has_unsharded_grad for p in self.params)

@@ -19,3 +19,6 @@ class UserComm:
     # ``set_reduce_scatter_unused_params(True)``: parameters no rank computed a gradient
     # for get zeros (reduced like the others) instead of None.
     zero_unused: bool = False
+    # ``set_keep_unsharded_storage(True)``: resharding keeps the unsharded storage (its
+    # data pointers stay the same across steps, for CUDA graph capture).
+    keep_unsharded_storage: bool = False

@@ -74,6 +74,10 @@ class FSDPParam:
         self.shape = param.shape  # the global shape, as the DTensors report it
         self.stride = contiguous_stride(tuple(param.shape))
         self.dtype = param.dtype
+        # Set by ``fully_shard`` from the policy: the dtype it is gathered in (``None``:
+        # its own) and the dtype its gradient comes in (its ``grad_dtype``).
+        self.policy_dtype: torch.dtype | None = None
+        self.grad_dtype: torch.dtype = param.dtype
         self.tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         local_shape = param.shape
         local = param
@@ -305,6 +309,12 @@ class FSDPParam:
         if self.unsharded is not None:
             self.unsharded.grad = None
         self._tp_pending = None
+
+    def clear_grads(self) -> None:
+        """Drop the sharded parameter's gradient and the leaf's."""
+        self.discard_unsharded_grad()
+        if self.sharded is not None:
+            self.sharded.grad = None
 
     @property
     def has_unsharded_grad(self) -> bool:

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from .._compat import TORCH
 from ..api import MixedPrecisionPolicy, OffloadPolicy
 from ..bucket.bucket import FlatBucket
 from ..bucket.user_comm import UserComm
@@ -109,6 +110,10 @@ class ParamGroup(GroupBackward):
         self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
         self.is_last_backward = True
+        # ``set_manual_backward_finalization`` on the root (``runtime/finalize.py``), and
+        # whether this group waits for the caller's finalize to reduce.
+        self.manual_finalization = False
+        self.finalize_pending = False
         self.forward_prefetch: list[ParamGroup] | None = None  # explicit, overrides implicit
         self.backward_prefetch: list[ParamGroup] | None = None
         self.training_state = TrainingState.IDLE
@@ -312,6 +317,10 @@ class ParamGroup(GroupBackward):
         self.reshard()
         self.forget_calls()
         self._forwarded.clear()
+        self.finalize_pending = False
         self.training_state = TrainingState.IDLE
+        if TORCH.reset_clears_grads:
+            for p in self.params:
+                p.clear_grads()
 
 

@@ -50,6 +50,8 @@ class GroupBackward:
         if self.unshard_in_backward:
             self.unshard()
             self.wait_for_unshard()
+        for b in self.buckets:
+            b.accumulate_leaves_wide(not self.requires_gradient_sync and not b.reduce.is_accumulating())
         # Overlaps this group's backward compute; behind the reduce still in flight, so
         # its gathered parameters take the memory that reduce frees (fsdp2.comm.collectives).
         after = ctx.reduce_in_flight() if PREFETCH_BEHIND_REDUCE else None
@@ -77,6 +79,7 @@ class GroupBackward:
         them), not in ``param_dtype`` micro-batch after micro-batch."""
         self.forget_calls()
         sync = self.requires_gradient_sync and not self.direct
+        self.finalize_pending = not sync and not self.direct  # reduced by a manual finalize
         if self.reshard_after_backward:
             if sync:
                 for b in self.buckets:

@@ -9,6 +9,7 @@ from enum import Enum, auto
 
 import torch
 
+from .._compat import TORCH
 from ..api import MixedPrecisionPolicy, OffloadPolicy
 from ..bucket.bucket import FlatBucket
 from ..bucket.gather import RidingGather
@@ -48,14 +49,13 @@ def build_buckets(
     compute_device = mesh_device(comm.mesh)
     if HostOffload.for_policy(offload_policy, compute_device) is not None:
         check_offloadable(params)
-    by_dtype: dict[tuple[int, torch.dtype, bool, bool], list[int]] = {}
+    by_dtype: dict[tuple[int, torch.dtype, torch.dtype, torch.dtype, bool, bool], list[int]] = {}
     for i, p in enumerate(params):
-        by_dtype.setdefault((id(p.comm), p.dtype, p.extension, p.dispatched), []).append(i)
+        compute, reduce = bucket_dtypes(p, mp_policy)
+        by_dtype.setdefault((id(p.comm), p.dtype, compute, reduce, p.extension, p.dispatched), []).append(i)
     buckets = []
-    for (_, dtype, _, _), idx in by_dtype.items():
+    for (_, dtype, compute, reduce, _, _), idx in by_dtype.items():
         floating = dtype.is_floating_point
-        compute = mp_policy.param_dtype if (mp_policy.param_dtype and floating) else dtype
-        reduce = mp_policy.reduce_dtype if (mp_policy.reduce_dtype and floating) else compute
         offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its own copies
         mesh = params[idx[0]].comm
         quant = QuantizedComm(mp_policy.quantize_gather, mp_policy.quantize_reduce) if floating else NO_QUANTIZATION
@@ -64,13 +64,30 @@ def build_buckets(
         )
         bucket.mp_policy = mp_policy
         # Dtypes the policy does not set follow the parameters' (``model.to(dtype)``).
-        bucket.follows_dtype = (
-            not (mp_policy.param_dtype and floating),
-            not ((mp_policy.reduce_dtype or mp_policy.param_dtype) and floating),
-        )
+        follows = params[idx[0]].policy_dtype is None or not floating
+        bucket.follows_dtype = (follows, _reduce_follows(params[idx[0]], mp_policy, follows))
         buckets.append(bucket)
     join_reduces(buckets)
     return join_gathers(buckets)
+
+
+def bucket_dtypes(p: FSDPParam, mp_policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes ``p`` is gathered (and computed) in and its gradient reduced in. Without
+    a ``reduce_dtype`` the reduce follows the installed torch (``_compat``): the gradient's
+    dtype (torch 2.15) or the gather's (2.13, 2.14)."""
+    if not p.dtype.is_floating_point:
+        return p.dtype, p.dtype
+    compute = p.policy_dtype or p.dtype
+    if mp_policy.reduce_dtype is not None:
+        return compute, mp_policy.reduce_dtype
+    return compute, (p.grad_dtype if TORCH.reduce_follows_grad_dtype else compute)
+
+
+def _reduce_follows(p: FSDPParam, mp_policy: MixedPrecisionPolicy, compute_follows: bool) -> bool:
+    """The reduce dtype is the parameter's own and moves with ``model.to(dtype)``."""
+    if mp_policy.reduce_dtype is not None and p.dtype.is_floating_point:
+        return False
+    return p.grad_dtype == p.dtype if TORCH.reduce_follows_grad_dtype else compute_follows
 
 
 def join_gathers(buckets: list[FlatBucket]) -> list[FlatBucket]:

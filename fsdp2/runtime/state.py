@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import weakref
 from collections import deque
@@ -18,7 +17,9 @@ from ..bucket.commit import run_post_accumulate_hooks
 from ..optim import local_step
 from ..params.shared import raise_deferred
 from .adopt import adopt_reassigned
+from .finalize import GradientReductionHandle, ManualFinalization
 from .group import ParamGroup, ShardState, TrainingState
+from .stages import refuse_foreign_stage
 
 # Reduce-scatters allowed in flight before the oldest is waited for: bounds the
 # pooled reduce buffers alive at once (each holds a full unsharded gradient) while
@@ -40,6 +41,12 @@ class FSDPState:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward_hook, prepend=False, always_call=True),
         ]
+
+    @property
+    def _comm_ctx(self) -> FSDPState:
+        """torch 2.15's schedules compare stages' communication contexts by identity: each
+        state is its own (``FSDPModule._get_fsdp_state``)."""
+        return self
 
     # The hooks run eagerly also inside a compiled module (``block.compile()``, then
     # fully_shard): their collectives and bookkeeping are not traceable, and the
@@ -73,6 +80,8 @@ class FSDPState:
         ctx = self.group.ctx
         if ctx is None:
             ctx = RootContext.lazy_init(self)
+        if ctx.reduction is not None:
+            ctx.check_no_reduction_pending("forward")
         if ctx.root is self.group:
             if any(g.unfinished_steps for g in ctx.groups):
                 local_step.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
@@ -93,13 +102,15 @@ class FSDPState:
         return output
 
 
-class RootContext:
+class RootContext(ManualFinalization):
     """State shared by every group under one root module for one training step."""
 
     def __init__(self, root: ParamGroup, groups: list[ParamGroup]) -> None:
         self.root = root
         self.groups = groups
         self.in_backward = False
+        self.manual_active: bool | None = None
+        self.reduction: GradientReductionHandle | None = None
         self.needs_reset = False  # a forward raised: reset at the next root forward
         self.active_forwards = 0  # pre_forwards without their post_forward yet
         self.forward_order: list[ParamGroup] = []
@@ -110,13 +121,19 @@ class RootContext:
     def lazy_init(state: FSDPState) -> RootContext:
         """The first module to run forward is the root: it adopts every group below it."""
         if not state.group.in_pipeline_stage:
-            _refuse_torch_pipeline_stage()
+            refuse_foreign_stage(sys._getframe(1))
         groups: list[ParamGroup] = []
         for sub in state.module.modules():
             sub_state = sub.__dict__.get("_fsdp2_state")
             if sub_state is not None and sub_state.group not in groups and sub_state.group.ctx is None:
                 groups.append(sub_state.group)
         raise_deferred([c for g in groups for c in g.shared_elsewhere], state.module)
+        for g in groups:
+            if g.manual_finalization and g is not state.group:
+                raise RuntimeError(
+                    "set_manual_backward_finalization must be called on the root module (the outermost "
+                    f"module fully_shard was applied to, here {type(state.module).__name__}), not on an inner one"
+                )
         for g in groups:
             adopt_reassigned(g)
         ctx = RootContext(state.group, groups)
@@ -203,7 +220,8 @@ class RootContext:
     def on_backward_start(self) -> None:
         if not self.in_backward:
             self.in_backward = True
-            Variable._execution_engine.queue_callback(self.finalize_backward)
+            self.start_manual_iteration()
+            Variable._execution_engine.queue_callback(self.end_backward)
 
     def keeps_for_backward(self, group: ParamGroup) -> bool:
         """With the default ``reshard_after_forward=None``, the last group to run forward
@@ -268,8 +286,12 @@ class RootContext:
         _, b = self.pending_reduces.popleft()
         b.reduce.finish()
 
-    def finalize_backward(self) -> None:
-        """Phase 5: runs once at the end of each backward over the root's graph."""
+    def end_backward(self) -> None:
+        """Phase 5: runs once at the end of each backward over the root's graph (in
+        manual mode only what does not reduce: ``runtime/finalize.py``)."""
+        if self.manual_active:
+            self.defer_to_finalize()
+            return
         for g in self.groups:
             # Forward calls whose node never ran, gradients that came without one (see
             # ``BackwardCalls.reduce_at_finalize``), and any that reached a leaf after its group's
@@ -279,6 +301,7 @@ class RootContext:
                 g.post_backward()
         self._commit()
         self.in_backward = False
+        self.manual_active = None
 
     def reduce_accumulated(self) -> None:
         """End of a gradient accumulation without synchronization driven from outside a
@@ -291,9 +314,14 @@ class RootContext:
         self.root.is_last_backward = True
         self._commit()
 
-    def _commit(self) -> None:
+    def complete_backward(self) -> None:
+        """The end of a manually finalized iteration: wait for every reduce, write ``.grad``."""
+        self._commit(wait=True)
+        self.manual_active = None
+
+    def _commit(self, wait: bool = False) -> None:
         """Wait for the reduces (unless more backwards accumulate first), write ``.grad``."""
-        if self.root.is_last_backward:
+        if self.root.is_last_backward or wait:
             while self.pending_reduces:
                 self._finish_oldest_reduce()
         given: list = []  # parameters given a gradient: their post-accumulate hooks run last
@@ -320,28 +348,8 @@ class RootContext:
         self.in_backward = False
         self.needs_reset = False
         self.active_forwards = 0
-
-
-def _refuse_torch_pipeline_stage() -> None:
-    """torch's pipeline stages reduce fsdp2's gradients on every micro-batch and lose the
-    weight gradients of zero-bubble schedules' split backward: refuse to run under one
-    (checked once, at the root's first forward, by the code objects on the stack; the
-    stages of ``fsdp2.pipelining`` mark their groups ``in_pipeline_stage``)."""
-    frame = sys._getframe(2)
-    for _ in range(40):
-        if frame is None:
-            return
-        if frame.f_code.co_filename.endswith(_TORCH_STAGE_FILE):
-            raise RuntimeError(
-                "fsdp2: a fully_shard-ed module runs in a stage of torch.distributed.pipelining, which "
-                "reduces its gradients on every micro-batch and loses weight gradients in zero-bubble "
-                "schedules. Build the stage with fsdp2.pipelining.PipelineStage (same arguments), or "
-                "adapt an existing one with fsdp2.pipelining.adapt_stage(stage)"
-            )
-        frame = frame.f_back
-
-
-_TORCH_STAGE_FILE = os.path.join("torch", "distributed", "pipelining", "stage.py")
+        self.manual_active = None
+        self.reduction = None  # a handle not waited for is invalid now
 
 
 @torch.compiler.disable

@@ -1,0 +1,227 @@
+"""torch 2.15's additions to ``fully_shard``, which fsdp2 has on every torch: manual
+backward finalization (``set_manual_backward_finalization``, ``finalize_backward``,
+``GradientReductionHandle``), ``set_keep_unsharded_storage`` and
+``MixedPrecisionPolicy(param_dtype_override_fn=...)``.
+
+Each scenario runs on fsdp2 and, where the installed torch has the API (2.15), on torch's
+``fully_shard`` in the same ranks: the parity ones against one local replica fed the
+global batch, in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from _dist import cached_outcome, run_scenarios
+from fsdp2._compat import TORCH
+from _models import ToyModel, batch, full_params, impl, loss_fn
+
+LIBS = ["fsdp2"] + (["torch"] if hasattr(impl("torch").FSDPModule, "finalize_backward") else [])
+MICRO = 3
+
+
+def _sharded(lib_name: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    lib = impl(lib_name)
+    torch.manual_seed(0)
+    master = ToyModel(scalar_gate=lib_name == "fsdp2").double()
+    model = copy.deepcopy(master)
+    for block in model.blocks:
+        lib.fully_shard(block, **kwargs)
+    lib.fully_shard(model, **kwargs)
+    return master, model
+
+
+def _manual_parity(rank: int, world: int, lib_name: str, async_op: bool) -> dict[str, Any]:
+    """Micro-batches accumulated without synchronization and kept gathered (as torch 2.15's
+    pipeline stages drive a stage), then one manual finalize: equal to the local replica."""
+    master, model = _sharded(lib_name)
+    model.set_manual_backward_finalization(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(master.parameters(), lr=0.1)
+    errors, grads_before_finalize = [], []
+    for step in range(2):
+        ids, targets = batch(step, 2 * MICRO * world)
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        for ids_mb, tg_mb in zip(ids.chunk(world)[rank].chunk(MICRO), targets.chunk(world)[rank].chunk(MICRO)):
+            (loss_fn(model(ids_mb), tg_mb) / MICRO).backward()
+        grads_before_finalize.append(sum(isinstance(p.grad, DTensor) for p in model.parameters()))
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        handle = model.finalize_backward(async_op=async_op)
+        if async_op:
+            handle.wait()
+            handle.wait()  # a second wait does nothing
+        (loss_fn(master(ids), targets)).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        got, want = full_params(model), full_params(master)
+        errors.append(max((got[n] - want[n]).abs().max().item() for n in want))
+    return {"errors": errors, "grads_before_finalize": grads_before_finalize}
+
+
+def _raised(fn: Any) -> str:
+    try:
+        fn()
+    except (RuntimeError, ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _manual_misuse(rank: int, world: int, lib_name: str) -> dict[str, str]:
+    """What torch 2.15 refuses, refused alike."""
+    _, model = _sharded(lib_name)
+    ids, targets = batch(0, 4)
+    out: dict[str, str] = {}
+    # Before the first forward a finalize does nothing; an inner module's mode is refused
+    # once the root is known.
+    out["before_forward"] = repr(model.finalize_backward())
+    _, inner = _sharded(lib_name)  # torch's model stays unusable after this error: another one
+    inner.blocks[0].set_manual_backward_finalization(True)
+    out["inner_mode"] = _raised(lambda: inner(ids))
+    loss_fn(model(ids), targets).backward()  # automatic: finalized by backward itself
+    out["not_manual"] = _raised(lambda: model.finalize_backward())
+    out["on_inner"] = _raised(lambda: model.blocks[0].finalize_backward())
+    model.set_manual_backward_finalization(True)
+    loss_fn(model(ids), targets).backward()
+    out["mode_change_after_backward"] = _raised(lambda: model.set_manual_backward_finalization(False))
+    handle = model.finalize_backward(async_op=True)
+    out["forward_before_wait"] = _raised(lambda: model(ids))
+    out["finalize_before_wait"] = _raised(lambda: model.finalize_backward())
+    handle.wait()
+    loss_fn(model(ids), targets).backward()
+    handle = model.finalize_backward(async_op=True)
+    model.reset_iter_state()
+    out["wait_after_reset"] = _raised(handle.wait)
+    out["grads_after_reset"] = str(sum(p.grad is not None for p in model.parameters()))
+    return out
+
+
+def _keep_unsharded_storage(rank: int, world: int, lib_name: str) -> dict[str, Any]:
+    """Kept, the unsharded parameters' data pointers are the same at every unshard and
+    their storage stays allocated after reshard; not kept, it is freed."""
+    _, model = _sharded(lib_name)
+    ids, targets = batch(0, 4)
+    block = model.blocks[1]
+    seen: dict[str, list] = {"kept": [], "freed": []}
+    for keep in (True, False):
+        model.set_keep_unsharded_storage(keep)
+        for _ in range(2):
+            block.unshard()
+            leaf = block.fc1.weight
+            ptr = leaf.data_ptr()
+            block.reshard()
+            seen["kept" if keep else "freed"].append((ptr, leaf.untyped_storage().nbytes()))
+            loss_fn(model(ids), targets).backward()
+    return seen
+
+
+class _Norm(torch.nn.Module):
+    """Scales in float32 whatever dtype comes in (as RMSNorm implementations do)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() * self.weight).to(x.dtype)
+
+
+def _override_dtypes(rank: int, world: int, lib_name: str) -> dict[str, Any]:
+    """``param_dtype_override_fn`` keeps the norm weights in their own dtype; a dtype that
+    is neither raises naming the parameter, before anything changes."""
+    lib = impl(lib_name)
+    torch.manual_seed(0)
+
+    def build() -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.Linear(6, 6), _Norm(6), torch.nn.Linear(6, 4))
+
+    model = build()
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, _Norm)}
+
+    def keep_norms(p: torch.nn.Parameter) -> torch.dtype | None:
+        return p.dtype if id(p) in norms else None
+
+    mp = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=keep_norms)
+    bad = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float16)
+    probe = build()
+    error = _raised(lambda: lib.fully_shard(probe, mp_policy=bad))
+    untouched = not isinstance(probe, lib.FSDPModule) and not isinstance(probe[0].weight, DTensor)
+    seen: dict[str, str] = {}
+
+    def record(module: torch.nn.Module, args: Any, output: Any) -> None:
+        seen.update({n: str(p.dtype) for n, p in module.named_parameters()})
+
+    model.register_forward_hook(record)
+    lib.fully_shard(model, mp_policy=mp)
+    loss = model(torch.randn(4, 6)).float().pow(2).sum()
+    loss.backward()
+    grads = {n: str(p.grad.dtype) for n, p in model.named_parameters()}
+    return {"error": error.split(":")[0], "untouched": untouched, "seen": seen, "grads": grads}
+
+
+@cached_outcome
+def _outcomes() -> dict[str, list[Any]]:
+    scenarios: dict[str, tuple] = {}
+    for lib in LIBS:
+        scenarios[f"parity-{lib}"] = (_manual_parity, (lib, False))
+        scenarios[f"parity-async-{lib}"] = (_manual_parity, (lib, True))
+        scenarios[f"misuse-{lib}"] = (_manual_misuse, (lib,))
+        scenarios[f"keep-{lib}"] = (_keep_unsharded_storage, (lib,))
+        scenarios[f"override-{lib}"] = (_override_dtypes, (lib,))
+    return run_scenarios(2, scenarios)
+
+
+@pytest.mark.parametrize("lib_name", LIBS)
+@pytest.mark.parametrize("async_op", [False, True])
+def test_manual_finalization_matches_local(lib_name: str, async_op: bool) -> None:
+    result = _outcomes()[f"parity{'-async' if async_op else ''}-{lib_name}"][0]
+    assert result["grads_before_finalize"] == [0, 0]  # nothing written before the finalize
+    assert max(result["errors"]) <= 1e-12, result["errors"]
+
+
+@pytest.mark.parametrize("lib_name", LIBS)
+def test_manual_finalization_refuses_what_torch_refuses(lib_name: str) -> None:
+    out = _outcomes()[f"misuse-{lib_name}"][0]
+    assert out["before_forward"] == "None"
+    assert "root" in out["inner_mode"], out
+    assert "manual backward finalization" in out["not_manual"], out
+    assert "root" in out["on_inner"], out
+    assert out["mode_change_after_backward"].startswith("RuntimeError"), out
+    assert "waited on before forward" in out["forward_before_wait"], out
+    assert "waited on before finalizing backward again" in out["finalize_before_wait"], out
+    assert "invalidated" in out["wait_after_reset"], out
+    # torch 2.15's reset drops the gradients too; 2.13's kept them (fsdp2 follows the installed one).
+    assert (out["grads_after_reset"] == "0") == (lib_name == "torch" or TORCH.reset_clears_grads), out
+
+
+@pytest.mark.parametrize("lib_name", LIBS)
+def test_keep_unsharded_storage_keeps_data_pointers(lib_name: str) -> None:
+    seen = _outcomes()[f"keep-{lib_name}"][0]
+    (p0, n0), (p1, n1) = seen["kept"]
+    assert p0 == p1 and n0 > 0 and n1 > 0
+    assert [n for _, n in seen["freed"]] == [0, 0]
+
+
+@pytest.mark.parametrize("lib_name", LIBS)
+def test_param_dtype_override_fn(lib_name: str) -> None:
+    out = _outcomes()[f"override-{lib_name}"][0]
+    assert out["error"] == "ValueError" and out["untouched"], out
+    assert out["seen"] == {
+        "0.weight": "torch.bfloat16", "0.bias": "torch.bfloat16", "1.weight": "torch.float32",
+        "2.weight": "torch.bfloat16", "2.bias": "torch.bfloat16",
+    }, out
+    assert all(v == "torch.float32" for v in out["grads"].values()), out
+
+
+def test_policy_repr_as_the_installed_torch() -> None:
+    import fsdp2
+
+    assert repr(fsdp2.MixedPrecisionPolicy()) == repr(impl("torch").MixedPrecisionPolicy())
