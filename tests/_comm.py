@@ -36,6 +36,7 @@ class CommCounter:
         self.calls: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
         self.log: list[tuple[str, int]] = []
+        self.dtypes: Counter[tuple[str, torch.dtype]] = Counter()  # (kind, payload dtype): calls
         # Deferred in-place gathers are issued from gloo's thread.
         self._lock = threading.Lock()
         self._saved: dict[str, Any] = {}
@@ -54,6 +55,7 @@ class CommCounter:
                 self.calls[counted] += 1
                 self.bytes[counted] += nbytes
                 self.log.append((counted, nbytes))
+                self.dtypes[(counted, tensor.dtype)] += 1
             return fn(pg, *args, **kwargs)
 
         return wrapped

@@ -36,6 +36,7 @@ from torch import nn
 
 import fsdp2
 import fsdp2.patch
+from fsdp2._compat import stage_drives_fsdp_publicly
 
 TESTS = pathlib.Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -49,10 +50,12 @@ def _torch_objects() -> dict[str, Any]:
     import torch.distributed.fsdp as torch_fsdp
     import torch.distributed.pipelining as torch_pp
 
-    return {n: getattr(torch_fsdp, n) for n in fsdp2.patch.FSDP_NAMES} | {"PipelineStage": torch_pp.PipelineStage}
+    objects = {n: getattr(torch_fsdp, n) for n in fsdp2.patch.FSDP_NAMES if hasattr(torch_fsdp, n)}
+    return objects | {"PipelineStage": torch_pp.PipelineStage}
 
 
 TORCH_OBJECTS = _torch_objects()
+PUBLIC_STAGE = stage_drives_fsdp_publicly()
 
 
 def _bindings() -> dict[tuple[str, str], Any]:
@@ -108,14 +111,17 @@ def test_apply_rebinds_everywhere_and_undo_restores(capsys: pytest.CaptureFixtur
             for attr in fsdp2.patch.FSDP_NAMES:
                 if hasattr(module, attr):
                     assert getattr(module, attr) is getattr(fsdp2, attr), (namespace, attr)
-        assert torch_pp.PipelineStage is fsdp2.pipelining.PipelineStage
-        assert sys.modules["torch.distributed.pipelining.stage"].PipelineStage is fsdp2.pipelining.PipelineStage
+        # Before torch 2.15 torch's stage name becomes fsdp2's; from 2.15 torch's own stage
+        # and schedules are given fsdp2's FSDPModule (they drive it through public methods).
+        stage_module = sys.modules["torch.distributed.pipelining.stage"]
+        want_stage = TORCH_OBJECTS["PipelineStage"] if PUBLIC_STAGE else fsdp2.pipelining.PipelineStage
+        assert torch_pp.PipelineStage is want_stage and stage_module.PipelineStage is want_stage
         assert client.fully_shard is fsdp2.fully_shard and client.Policy is fsdp2.MixedPrecisionPolicy
         # torch's implementation keeps what its own code reads, and its private modules all.
         assert impl.FSDPModule is torch_module_cls and impl.fully_shard is torch_fully_shard
         for namespace in TORCH_PRIVATE:
             assert importlib.import_module(namespace).FSDPModule is torch_module_cls, namespace
-        assert sys.modules["torch.distributed.pipelining.stage"].FSDPModule is torch_module_cls
+        assert stage_module.FSDPModule is (fsdp2.FSDPModule if PUBLIC_STAGE else torch_module_cls)
         late = types.ModuleType("imported_after_apply")
         late.FSDPModule = torch_module_cls
         monkeypatch.setitem(sys.modules, "imported_after_apply", late)
@@ -327,6 +333,7 @@ def _pipeline_worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"torch_unpatched_ZBV": _run("torch", "ZBVZeroBubble", None, rank)["worst"]}
     with fsdp2.patch.applied():
         out["stage_is_fsdp2"] = pp.PipelineStage is fsdp2.pipelining.PipelineStage
+        out["stage_drives_fsdp2"] = pp.stage.FSDPModule is fsdp2.FSDPModule
         for schedule in PIPELINE_SCHEDULES:
             out[schedule] = _run("torch", schedule, None, rank)  # torch's names only
     return out
@@ -334,7 +341,8 @@ def _pipeline_worker(rank: int, world: int) -> dict[str, Any]:
 
 def test_torch_pipeline_code_trains_like_local_under_the_patch() -> None:
     for out in run_ranks(_pipeline_worker, 4, timeout=300):
-        assert out["stage_is_fsdp2"], out
+        # torch 2.15: torch's own stage, driving fsdp2's modules; before: fsdp2's stage.
+        assert (out["stage_is_fsdp2"], out["stage_drives_fsdp2"]) == (not PUBLIC_STAGE, PUBLIC_STAGE), out
         assert out["torch_unpatched_ZBV"] > 1.0, out  # the same code on torch's fully_shard: wrong
         for schedule in PIPELINE_SCHEDULES:
             run = out[schedule]
@@ -369,7 +377,7 @@ def test_launcher_torchrun_script() -> None:
     assert len(reports) == 2, proc.stdout
     for out in reports:
         assert out["fully_shard"] == "fsdp2.fully_shard" and out["FSDPModule"] == "fsdp2._module", out
-        assert out["PipelineStage"] == "fsdp2.pipelining", out
+        assert out["PipelineStage"] == ("torch.distributed.pipelining.stage" if PUBLIC_STAGE else "fsdp2.pipelining"), out
         assert out["argv"] == [script, "--steps", "2"] and out["name"] == "__main__", out
         assert out["worst"] <= 1.0, out
     assert proc.stderr.count("fsdp2.patch:") == 1, proc.stderr  # rank 0 only
@@ -389,7 +397,8 @@ def test_launcher_module_and_without_it(capfd: pytest.CaptureFixture, monkeypatc
     out = capfd.readouterr().out
     plain = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("PATCH_SCRIPT ")]
     assert len(plain) == 1, out
-    assert patched[0]["fully_shard"] == "fsdp2.fully_shard" and patched[0]["PipelineStage"] == "fsdp2.pipelining"
+    stage = "torch.distributed.pipelining.stage" if PUBLIC_STAGE else "fsdp2.pipelining"
+    assert patched[0]["fully_shard"] == "fsdp2.fully_shard" and patched[0]["PipelineStage"] == stage
     assert patched[0]["argv"] == [str(TESTS / "_patch_script.py"), "--flag", "x"] and patched[0]["name"] == "__main__"
     assert plain[0]["fully_shard"].startswith("torch.") and plain[0]["PipelineStage"].startswith("torch.")
 

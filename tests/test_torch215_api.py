@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from _comm import CommCounter
 from _dist import cached_outcome, run_scenarios
 from fsdp2._compat import TORCH
 from _models import ToyModel, batch, full_params, impl, loss_fn
@@ -167,9 +168,23 @@ def _override_dtypes(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     return {"error": error.split(":")[0], "untouched": untouched, "seen": seen, "grads": grads}
 
 
+def _reduce_dtype_default(rank: int, world: int, lib_name: str) -> list[str]:
+    """float32 parameters, ``param_dtype=torch.bfloat16``, no ``reduce_dtype``: the dtypes
+    the gradient reduce runs in (torch 2.15: the gradients' own, float32; before: bf16)."""
+    lib = impl(lib_name)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    lib.fully_shard(model, mp_policy=lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with CommCounter().active() as counter:
+        model(torch.randn(4, 6)).float().pow(2).sum().backward()
+    return sorted(str(dtype) for kind, dtype in counter.dtypes if kind == "reduce")
+
+
 @cached_outcome
 def _outcomes() -> dict[str, list[Any]]:
     scenarios: dict[str, tuple] = {}
+    for lib in ("fsdp2", "torch"):  # a default both versions of torch have, changed in 2.15
+        scenarios[f"reduce-default-{lib}"] = (_reduce_dtype_default, (lib,))
     for lib in LIBS:
         scenarios[f"parity-{lib}"] = (_manual_parity, (lib, False))
         scenarios[f"parity-async-{lib}"] = (_manual_parity, (lib, True))
@@ -225,3 +240,10 @@ def test_policy_repr_as_the_installed_torch() -> None:
     import fsdp2
 
     assert repr(fsdp2.MixedPrecisionPolicy()) == repr(impl("torch").MixedPrecisionPolicy())
+
+
+@pytest.mark.parametrize("lib_name", ["fsdp2", "torch"])
+def test_reduce_dtype_default_follows_the_installed_torch(lib_name: str) -> None:
+    """Tested on both sides of the change: CI runs the suite on torch 2.13 and on 2.15."""
+    want = "torch.float32" if TORCH.reduce_follows_grad_dtype else "torch.bfloat16"
+    assert _outcomes()[f"reduce-default-{lib_name}"][0] == [want]
