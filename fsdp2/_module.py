@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import _classes
+from ._compat import TORCH
 from ._knobs import CommKnobs, check_bool
 from ._validate import reshard_after_forward_value
 from .params.state_dict import validate_state_dict
@@ -87,13 +88,16 @@ class FSDPModule(CommKnobs):
 
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward: reshard everything and drop
-        this iteration's gradients and pending communication."""
+        this iteration's gradients and pending communication; a ``GradientReductionHandle``
+        not waited for becomes invalid. On torch 2.15, as torch's, the parameters' ``.grad``
+        are dropped too (``fsdp2/_compat.py``)."""
         group = self._fsdp2_state.group
+        clear = TORCH.reset_clears_grads
         if group.ctx is not None:
-            group.ctx.reset()  # resets every group under the root
+            group.ctx.reset(clear)  # resets every group under the root
             return
         for g in groups_under(self):  # before the first forward: no root context yet
-            g.reset()
+            g.reset(clear)
 
     # ------------------------------------- gradients: when and how they are reduced
     def set_is_last_backward(self, is_last_backward: bool) -> None:
@@ -109,12 +113,15 @@ class FSDPModule(CommKnobs):
         group.is_last_backward = is_last_backward
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """On the root module: ``True`` makes the caller finalize backward. The end of a
-        backward then reduces nothing and writes no ``.grad``; ``finalize_backward()``,
-        called after all the backwards of one logical step, reduces (per the current
-        ``set_requires_gradient_sync`` / ``set_reshard_after_backward``) and writes
-        them. Supersedes ``set_is_last_backward``. Takes effect from the next backward;
-        changing it during backward or between a backward and its finalize raises."""
+        """On the root module: ``True`` makes the caller finalize backward. Groups still
+        reduce during backward where they synchronize, but the end of a backward neither
+        waits for those reduces nor writes ``.grad``, and groups whose gradients wait
+        (accumulated without synchronization, or come without a node) stay pending;
+        ``finalize_backward()``, called after all the backwards of one logical step,
+        reduces those (per the current ``set_requires_gradient_sync`` /
+        ``set_reshard_after_backward``), waits and writes ``.grad``. Supersedes
+        ``set_is_last_backward``. Takes effect from the next backward; changing it during
+        backward or between a backward and its finalize raises."""
         check_bool("set_manual_backward_finalization", enabled)
         group = self._fsdp2_state.group
         ctx = group.ctx
@@ -210,7 +217,7 @@ class FSDPModule(CommKnobs):
         check_bool("set_keep_unsharded_storage", keep)
         for g in self._target_groups(recurse):
             g.user_comm.keep_unsharded_storage = keep
-            if not keep and g.shard_state is ShardState.SHARDED:
+            if not keep and g.shard_state in (ShardState.SHARDED, ShardState.PARTIAL):
                 for b in g.buckets:
                     b.free_unsharded()
 

@@ -115,24 +115,26 @@ def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> 
 
 def param_dtypes(
     mp_policy: MixedPrecisionPolicy, params: list[nn.Parameter], fqns: dict[torch.Tensor, str]
-) -> list[tuple[torch.dtype | None, torch.dtype]]:
-    """Each parameter's (gather dtype, ``None``: its own; gradient dtype): the policy's
-    ``param_dtype_override_fn`` called once per parameter, and its ``grad_dtype`` if set.
-    Raises before anything changes."""
+) -> list[tuple[torch.dtype | None, torch.dtype, bool]]:
+    """Each parameter's (gather dtype, ``None``: its own; gradient dtype; whether that is an
+    explicit ``grad_dtype``): the policy's ``param_dtype_override_fn`` called once per
+    parameter. Raises before anything changes. (torch 2.15 accepts ``grad_dtype=None``
+    without a ``reduce_dtype`` here and raises at the backward; this raises now.)"""
     out = []
     for p in params:
         try:
             gathered = mp_policy.param_dtype_for(p)
         except ValueError as e:
             raise ValueError(f"parameter {fqns[p]}: {e}") from None
-        grad = p.grad_dtype if has_explicit_grad_dtype(p) else p.dtype
+        explicit = has_explicit_grad_dtype(p)
+        grad = p.grad_dtype if explicit else p.dtype
         if grad is None and mp_policy.reduce_dtype is None and TORCH.reduce_follows_grad_dtype and p.requires_grad:
             raise ValueError(
                 f"parameter {fqns[p]} has grad_dtype=None (any gradient dtype) and the policy no reduce_dtype: "
                 "its gradient's dtype could differ between ranks. Set MixedPrecisionPolicy(reduce_dtype=...) "
                 "or give the parameter a grad_dtype"
             )
-        out.append((gathered, p.dtype if grad is None else grad))
+        out.append((gathered, p.dtype if grad is None else grad, explicit and grad is not None))
     return out
 
 

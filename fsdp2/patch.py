@@ -12,7 +12,9 @@ or in-process, before the code that shards a model::
 
 While applied, torch's ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``,
 ``OffloadPolicy``, ``CPUOffloadPolicy``, ``UnshardHandle``, ``register_fsdp_forward_method``,
-``share_comm_ctx``, ``DataParallelMeshDims`` and ``torch.distributed.pipelining.PipelineStage``
+``share_comm_ctx``, ``DataParallelMeshDims``, ``GradientReductionHandle`` (torch 2.15) and
+``torch.distributed.pipelining.PipelineStage`` (before torch 2.15; on 2.15 torch's own stage
+and schedules get fsdp2's ``FSDPModule`` instead, see ``PIPELINE_MODULES``)
 are fsdp2's (``fsdp2.pipelining.PipelineStage`` for the stage), wherever a module bound
 them: torch's namespaces (``torch.distributed.fsdp``, ``torch.distributed.pipelining``, the
 deprecated ``torch.distributed._composable.fsdp``, ...) and every module imported before

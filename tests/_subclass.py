@@ -81,6 +81,35 @@ class Doubled(torch.Tensor):
         return value, (value,)
 
 
+class Releasing(Doubled):
+    """Says its unsharded tensor does not alias the gathered outputs (torch 2.15's
+    ``fsdp_should_release_all_gather_outputs_after_post_all_gather``); ``last_outputs``
+    keeps the outputs of its latest ``fsdp_post_all_gather`` to see whether they were freed."""
+
+    last_outputs: list[torch.Tensor] = []
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
+        return True
+
+    def fsdp_post_all_gather(
+        self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        Releasing.last_outputs = list(outputs)
+        return super().fsdp_post_all_gather(outputs, metadata, param_dtype, out=out)
+
+
+class BadRelease(Doubled):
+    """Answers the release question with something other than a bool."""
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> Any:
+        return 1
+
+
+def outputs_held() -> int:
+    """Bytes the latest ``Releasing`` gather's outputs still hold."""
+    return sum(t.untyped_storage().nbytes() for t in Releasing.last_outputs)
+
+
 class OldSignature(Doubled):
     def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], Any]:  # type: ignore[override]
         calls["pre"] += 1

@@ -56,6 +56,9 @@ CASES = {
     # one group of both kinds (fc1 rebuilt over the flat buffer, fc2 sharded by its own
     # ops) and plain biases: one all-gather carries all three buckets
     "mixed_kinds": dict(cls="Doubled", cls2="Pair", hidden=7, one_group=True),
+    # the subclass lets its gathered outputs go right after fsdp_post_all_gather (torch
+    # 2.15's hook; torch 2.13 ignores it): kept gathered after forward, they are freed
+    "release_outputs": dict(cls="Releasing", hidden=8, raf=False),
 }
 WORLD = 4  # HSDP's 2 x 2
 # The cases on a 1-D mesh run at 2 ranks (as they did before the HSDP ones came): 4 add
@@ -143,11 +146,15 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any], count: bool = Fal
     _subclass.seen.meshes = []
     _subclass.tags_seen.clear()
     counter = CommCounter()
+    held: list[int] = []
+    _subclass.Releasing.last_outputs = []
     with counter.active() if count else contextlib.nullcontext():
         for step in range(STEPS):
             ids, targets = batch(step, 2 * world)
             loss_fn(ref(ids), targets).backward()
-            loss_fn(model(ids.chunk(world)[rank]).double(), targets.chunk(world)[rank]).backward()
+            loss = loss_fn(model(ids.chunk(world)[rank]).double(), targets.chunk(world)[rank])
+            held.append(_subclass.outputs_held())  # after forward, parameters still gathered
+            loss.backward()
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
@@ -177,6 +184,7 @@ def _run(lib: Any, rank: int, world: int, cfg: dict[str, Any], count: bool = Fal
         "calls": dict(_subclass.calls),
         # bytes through the custom collective per call: the weights' inputs included
         "custom_bytes": max(gather.sizes, default=0),
+        "outputs_held": held,
     }
 
 
@@ -245,6 +253,8 @@ def test_subclass_all_gather_extension(lib_name: str, case: str) -> None:
             assert res["thread_meshes"] == (calls["pre"], calls["pre"]), res
         if CASES[case].get("custom"):
             assert res["custom_bytes"] >= 2 * 8 * 6 * 16, res  # fc1's values (f64) and tags (i64), 2 ranks
+        if CASES[case]["cls"] == "Releasing" and (lib_name == "fsdp2" or hasattr(impl("torch"), "GradientReductionHandle")):
+            assert res["outputs_held"] == [0] * STEPS, res  # fsdp2, and torch from 2.15
         if CASES[case]["cls"] == "Stateful":  # every gather of step s > 0 saw the tag set after step s-1
             k = len(res["tags_seen"]) // STEPS
             assert k and res["tags_seen"] == [tag for tag in [None, *range(1, STEPS)] for _ in range(k)], res

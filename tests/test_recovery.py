@@ -14,6 +14,7 @@ from _dist import run_ranks
 from _models import in_place_worker
 
 import fsdp2
+from fsdp2._compat import TORCH
 from fsdp2.runtime.group import ShardState, TrainingState
 
 
@@ -81,6 +82,9 @@ def _recovery_worker(rank: int, world: int, where: str, explicit_reset: bool) ->
         clean = all(
             g.shard_state is ShardState.SHARDED and g.training_state is TrainingState.IDLE for g in _groups(model)
         )
+        if TORCH.reset_clears_grads:  # torch 2.15's reset_iter_state drops .grad too
+            clean = clean and all(p.grad is None for p in model.parameters())
+            ref.zero_grad()
     else:
         clean = True  # checked after the next step
     model(local).pow(2).mean().backward()

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from .._compat import TORCH
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from .commit import GradCommit
@@ -68,6 +67,7 @@ class FlatBucket:
             p.bucket = self
         self.comm = comm
         self.dtype = params[0].dtype
+        self.grad_dtype = params[0].grad_dtype  # its own, or an explicit ``grad_dtype``
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.name = f"group [{self.dtype}]"  # for messages; the group renames it at lazy init
@@ -180,35 +180,21 @@ class FlatBucket:
         # accumulates by whatever path the module's computation took.
         for p, view in zip(self.params, self.unsharded_views):
             p.set_unsharded(view)
-        self._leaves_accumulate_wide = False
         self.update_direct()
         # How many references to the unsharded storage are our own (the tensors above);
         # any more means some tensor outside, e.g. one autograd saved, can still read it.
         self._own_storage_refs = _storage_refs(flat)
         self.free_unsharded()
 
-    def accumulate_leaves_wide(self, wide: bool) -> None:
-        """At each backward: ``wide`` (the first of several backwards accumulating
-        without synchronization) makes the leaves take their gradients in the reduce
-        dtype, autograd casting each contribution (a tied weight's two) before summing
-        them, as torch 2.15 does (its leaf has no gradient yet and the reduce dtype as
-        ``grad_dtype``; later backwards add to that gradient in the compute dtype's sum).
-        Otherwise, and before 2.15, in the compute dtype, cast once at the deposit."""
-        wide = wide and TORCH.accumulates_in_reduce_dtype and self.reduce_dtype != self.compute_dtype
-        if wide == self._leaves_accumulate_wide:
-            return
-        self._leaves_accumulate_wide = wide
-        for p in self.params:
-            leaf = p.unsharded
-            if p.tp is None and leaf is not None and leaf.requires_grad:
-                leaf.grad_dtype = self.reduce_dtype if wide else leaf.dtype
-
     def update_direct(self) -> None:
         """One rank, no dtype change on the way in or out, no user hook or collective: the
         leaves alias the shards and ``commit_direct`` hands their gradients to the sharded
         parameters, as in local training: nothing to gather or reduce."""
         self.direct = (
-            self.gather_is_identity and self.reduce_dtype == self.dtype and not self.comm.is_hsdp and self.reduce.is_plain
+            self.gather_is_identity
+            and self.reduce_dtype == self.grad_dtype == self.dtype
+            and not self.comm.is_hsdp
+            and self.reduce.is_plain
         )
 
     def _unsharded_view(self, flat: torch.Tensor, p: FSDPParam) -> torch.Tensor:
@@ -241,12 +227,13 @@ class FlatBucket:
         if self.in_place is not None and self.reduce.is_plain:
             self.in_place.lend(self.reduce)
 
-    def free_unsharded(self, *, even_kept: bool = False) -> None:
-        """Release the unsharded storage, unless the user asked to keep it (then its data
-        pointers survive until ``even_kept``: the keep is turned off, or a device move)."""
+    def free_unsharded(self) -> None:
+        """Release the unsharded storage, unless the user asked to keep it
+        (``set_keep_unsharded_storage``: its data pointers then stay the same until the
+        keep is turned off or ``module._apply`` makes new storage)."""
         if self.extension_gather is not None:
             self.extension_gather.free()
-        if self.user.keep_unsharded_storage and not even_kept:
+        if self.user.keep_unsharded_storage:
             return
         if not self.gather_is_identity and not self.storage_lent:
             self.unsharded_flat.untyped_storage().resize_(0)
@@ -284,7 +271,12 @@ class FlatBucket:
             self.compute_dtype = dtype
         if follow_reduce:
             self.reduce_dtype = dtype
+        if not self.params[0].explicit_grad_dtype:  # the gradients follow the parameters
+            self.grad_dtype = dtype
         self.dtype = dtype
+        for p in self.params:  # before ``new_sharded``, which reads them
+            p.dtype = dtype
+            p.grad_dtype = self.grad_dtype
         self.sharded_flat = self._new_sharded_flat(dtype, device)
         with torch.no_grad():
             for p, param, local in zip(self.params, current, locals_):
@@ -304,7 +296,6 @@ class FlatBucket:
                 if grad is not None:
                     param.grad = grad
                 p.set_sharded(param)  # type: ignore[arg-type]
-                p.dtype = dtype
                 p.register_sharded()
         self._allocate_unsharded()
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .._compat import TORCH
 from ..comm.collectives import traced
 from ..params.param import FSDPParam
 
@@ -35,6 +36,27 @@ class Deposits:
     params: list[FSDPParam]
     state: ReduceState
     deposited: list[bool]  # per reduced parameter: a gradient was deposited since the last reduce
+    _leaves_wide: tuple[bool, torch.Tensor | None]  # (as last set, for the leaves over this storage)
+
+    def accumulate_leaves_wide(self, wide: bool) -> None:
+        """At each backward: ``wide`` (the first of several backwards accumulating
+        without synchronization) makes the leaves take their gradients in the reduce
+        dtype, autograd casting each contribution (a tied weight's two) before summing
+        them, as torch 2.15 does (its leaf has no gradient yet and the reduce dtype as
+        ``grad_dtype``; later backwards add to that gradient the compute dtype's sum).
+        Otherwise, and before 2.15, in the compute dtype, cast once at the deposit."""
+        b = self.bucket
+        wide = wide and TORCH.accumulates_in_reduce_dtype and b.reduce_dtype != b.compute_dtype
+        if self._leaves_wide[0] == wide and self._leaves_wide[1] is b.unsharded_flat:
+            return  # as set for these leaves already (new leaves come with new storage)
+        self._leaves_wide = (wide, b.unsharded_flat)
+        for p in self.params:
+            leaf = p.unsharded
+            if p.tp is None and leaf is not None and leaf.requires_grad and p.bucket is b:
+                dtype = b.reduce_dtype if wide else leaf.dtype
+                if leaf.grad is not None and leaf.grad.dtype != dtype:
+                    leaf.grad = leaf.grad.to(dtype)  # e.g. computed after an ``unshard()``
+                leaf.grad_dtype = dtype
 
     def is_accumulating(self) -> bool:
         """Gradients of an earlier backward wait in the reduce input."""

@@ -51,6 +51,10 @@ class ExtensionGather:
         self.outputs: list[list[torch.Tensor]] = [[] for _ in bucket.params]  # per parameter, kept
         self.inners: list[tuple[torch.Tensor, ...]] = [() for _ in bucket.params]  # post's, to free
         self.built = [False for _ in bucket.params]  # post_all_gather ran: refill with out=
+        # The subclass's ``fsdp_should_release_all_gather_outputs_after_post_all_gather()``
+        # (torch 2.15's hook): its unsharded tensor does not alias the gathered outputs, so
+        # they are freed right after ``fsdp_post_all_gather`` instead of at reshard.
+        self.release = [_releases_outputs(p) for p in bucket.params]
         self._pending: Pending | None = None
         self._sent: list[tuple[list[torch.Tensor], Any]] = []
         self._riding: list[BucketView] = []  # the riders in the gather in flight
@@ -151,6 +155,9 @@ class ExtensionGather:
         b = self.bucket
         for i, (p, (_, meta)) in enumerate(zip(b.params, self._sent)):
             self._post(i, p, meta, b.compute_dtype)
+            if self.release[i]:
+                for t in self.outputs[i]:
+                    t.untyped_storage().resize_(0)
         self._sent = []
 
     def _post(self, i: int, p: FSDPParam, meta: Any, dtype: torch.dtype) -> None:
@@ -187,6 +194,22 @@ class ExtensionGather:
                 if r.extension_gather is not None:
                     r.extension_gather._sent = []
             self._buffers, self._sent, self._riding = None, [], []
+
+
+def _releases_outputs(p: FSDPParam) -> bool:
+    """The subclass's answer to ``fsdp_should_release_all_gather_outputs_after_post_all_gather``
+    (``False`` without the method), checked as torch 2.15 checks it."""
+    local = p.sharded._local_tensor if p.sharded is not None else None  # type: ignore[union-attr]
+    ask = getattr(local, "fsdp_should_release_all_gather_outputs_after_post_all_gather", None)
+    if ask is None:
+        return False
+    answer = ask()
+    if not isinstance(answer, bool):
+        raise TypeError(
+            f"{type(local).__name__}.fsdp_should_release_all_gather_outputs_after_post_all_gather for "
+            f"{p.fqn} must return a bool, got {type(answer).__name__}"
+        )
+    return answer
 
 
 def _padded(t: torch.Tensor, rows: int, cls: str, fqn: str) -> torch.Tensor:

@@ -172,9 +172,10 @@ class InPlace:
             grads = torch.cat(rows) if rows else b.unsharded_write[:0].clone()
             n_flags = len(layout.params) + len(layout.scalars)
             used = b.unsharded_write[flags_at : flags_at + n_flags].clone()
-            scalar_vals = b.unsharded_write[world_numel:flags_at].to(b.dtype, copy=True)
-            staged = stage(layout, grads.to(b.dtype), used, scalar_vals, divide_factor)
-        b.unsharded_flat.untyped_storage().resize_(0)
+            scalar_vals = b.unsharded_write[world_numel:flags_at].to(b.grad_dtype, copy=True)
+            staged = stage(layout, grads.to(b.grad_dtype), used, scalar_vals, divide_factor)
+        if not b.user.keep_unsharded_storage:  # ``set_keep_unsharded_storage``: it stays
+            b.unsharded_flat.untyped_storage().resize_(0)
         self.lent = False  # only now: an unshard may take the storage again
         return staged
 

@@ -64,10 +64,16 @@ class BucketReduce(Deposits):
         # HSDP with ``set_requires_all_reduce(False)``: this rank's reduced row, summed over
         # the shard ranks only, waiting for the next backward that all-reduces.
         self._unreplicated: torch.Tensor | None = None
+        self._leaves_wide: tuple[bool, torch.Tensor | None] = (False, None)
         self.user = bucket.user  # the group's ``set_*`` choices (hook, collective, zeros)
         # ``MixedPrecisionPolicy(quantize_reduce=...)``: the reduce's encoding, if any.
         spec = bucket.quant.reduce
         self.quant = QuantizedReduce(spec) if spec is not None else None
+
+    def holds_partial(self) -> bool:
+        """HSDP with ``set_requires_all_reduce(False)``: a reduced row waits for the
+        replicas' all-reduce of a later backward (or is on its way there)."""
+        return self._unreplicated is not None or (self.state is ReduceState.IN_FLIGHT and not self._all_reduce)
 
     @property
     def is_plain(self) -> bool:
@@ -238,10 +244,10 @@ class BucketReduce(Deposits):
         if hook is not None:
             hook(result[: layout.flags_base])
         with traced("fsdp2::grad_copy"):
-            grads = result[: layout.grad_numel].to(b.dtype, copy=True)
+            grads = result[: layout.grad_numel].to(b.grad_dtype, copy=True)
             # Kept as a tensor: reading it (a device sync on GPUs) waits for commit_grads.
             used = result[layout.flags_base : layout.numel].clone()
-            scalar_vals = result[layout.scalar_base : layout.flags_base].to(b.dtype, copy=True)
+            scalar_vals = result[layout.scalar_base : layout.flags_base].to(b.grad_dtype, copy=True)
             staged = stage(layout, grads, used, scalar_vals, self.divide_factor)
             if b.offload is not None:  # to the host, where the shards and the optimizer are
                 staged = (layout, b.offload.to_host(grads), used, b.offload.to_host(scalar_vals))

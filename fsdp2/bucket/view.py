@@ -28,6 +28,7 @@ class BucketView(Protocol):
     dtype: torch.dtype  # the parameters'
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype  # the sharded gradients' (the parameters' ``grad_dtype``)
     device: torch.device  # where gathers and reduces run
     offload: HostOffload | None
     shard_numel: int  # S: the sum of the padded shard sizes

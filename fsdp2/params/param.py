@@ -75,9 +75,11 @@ class FSDPParam:
         self.stride = contiguous_stride(tuple(param.shape))
         self.dtype = param.dtype
         # Set by ``fully_shard`` from the policy: the dtype it is gathered in (``None``:
-        # its own) and the dtype its gradient comes in (its ``grad_dtype``).
+        # its own); and from the parameter: the dtype its gradient comes in, an explicit
+        # ``grad_dtype`` (kept through dtype changes) or its own dtype.
         self.policy_dtype: torch.dtype | None = None
         self.grad_dtype: torch.dtype = param.dtype
+        self.explicit_grad_dtype = False
         self.tp: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
         local_shape = param.shape
         local = param
@@ -181,7 +183,10 @@ class FSDPParam:
             local = self.wrapper.wrap(local)
         # ``local`` itself, not a detached alias: hooks bound to it (``KeepObject``) stay bound.
         spec = spec_where_it_is(local, self.mesh, self.placements, self.shape, self.stride)
-        return make_parameter(local, spec, requires_grad)
+        param = make_parameter(local, spec, requires_grad)
+        if self.explicit_grad_dtype:  # the original's ``grad_dtype`` carries over
+            param.grad_dtype = self.grad_dtype
+        return param
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard of this parameter as a DTensor of the full shape, where the

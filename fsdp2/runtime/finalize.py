@@ -39,14 +39,15 @@ class GradientReductionHandle:
         self._ctx = ctx
 
     def wait(self) -> None:
-        ctx, self._ctx = self._ctx, None
+        ctx = self._ctx
         if ctx is None:
-            return
+            return  # waited for already, or nothing to wait for
         if ctx.reduction is not self:
             raise RuntimeError(
                 "This gradient reduction handle was invalidated (reset_iter_state() ran after "
                 "finalize_backward(async_op=True)); its gradients were dropped"
             )
+        self._ctx = None
         ctx.reduction = None
         ctx.complete_backward()
 
@@ -65,6 +66,8 @@ class ManualFinalization:
     manual_active: bool | None
     reduction: GradientReductionHandle | None  # an asynchronous finalize not waited for yet
 
+    needs_reset: bool
+
     def complete_backward(self) -> None: ...  # RootContext: wait for reduces, write .grad
 
     @property
@@ -81,10 +84,13 @@ class ManualFinalization:
             raise RuntimeError(f"The previous gradient reduction must be waited on before {what}")
 
     def defer_to_finalize(self) -> None:
-        """Phase 1, at the end of each backward in manual mode."""
+        """Phase 1, at the end of each backward in manual mode. (A group on one rank
+        without a dtype change, ``direct``, keeps its state: the commit reads it.)"""
         for g in self.groups:
+            if g.direct:
+                continue
             late = g.requires_gradient_sync and g.has_unsharded_grads()
-            if not g.direct and (g.calls.awaiting or late):
+            if g.calls.awaiting or late:
                 if g.requires_gradient_sync:
                     g.forget_calls()
                     g.finalize_pending = True
@@ -97,15 +103,21 @@ class ManualFinalization:
         """Phases 2 and 3 (``FSDPModule.finalize_backward``)."""
         self.check_no_reduction_pending("finalizing backward again")
         self._check_finalizable()
-        for g in reversed(self.groups):
-            if g.finalize_pending and g.requires_gradient_sync:
-                g.post_backward()
-            elif g.reshard_after_backward and not g.held_by_user:
-                g.reshard()
-            g.training_state = TrainingState.IDLE
-        if not async_op:
-            self.complete_backward()
-            return None
+        try:
+            for g in reversed(self.groups):
+                if g.direct:
+                    continue
+                if g.finalize_pending and g.requires_gradient_sync:
+                    g.post_backward()
+                elif g.reshard_after_backward and not g.held_by_user:
+                    g.reshard()
+                g.training_state = TrainingState.IDLE
+            if not async_op:
+                self.complete_backward()
+                return None
+        except BaseException:
+            self.needs_reset = True  # the next forward starts clean (its reset ends this iteration)
+            raise
         self.reduction = GradientReductionHandle(self)
         return self.reduction
 
@@ -115,11 +127,18 @@ class ManualFinalization:
                 "finalize_backward requires manual backward finalization: call "
                 "set_manual_backward_finalization(True) on the root module before forward"
             )
-        if self.in_backward and torch._C._current_graph_task_id() != -1:
-            raise RuntimeError("finalize_backward must be called after backward completes, not during it")
+        if self.in_backward:
+            during = torch._C._current_graph_task_id() != -1
+            raise RuntimeError(
+                "finalize_backward must be called after backward completes, not during it"
+                if during
+                else "finalize_backward: the last backward did not complete (it raised); call reset_iter_state()"
+            )
         for g in self.groups:
-            if g.finalize_pending and g.requires_gradient_sync and g.comm.is_hsdp and not g.requires_all_reduce:
+            pending = g.finalize_pending and g.requires_gradient_sync and not g.requires_all_reduce
+            if any(b.reduce.holds_partial() or (pending and b.comm.is_hsdp) for b in g.buckets):
                 raise RuntimeError(
-                    f"manual backward finalization requires the replicas' all-reduce for the group {g.name!r}: "
-                    "call set_requires_all_reduce(True) before finalize_backward"
+                    f"manual backward finalization does not support partial gradient reductions (HSDP with "
+                    f"set_requires_all_reduce(False)) for the group {g.name!r}: call set_requires_all_reduce(True) "
+                    "before the backward, or use automatic finalization"
                 )

@@ -38,7 +38,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from .._compat import TORCH
 from ..api import MixedPrecisionPolicy, OffloadPolicy
 from ..bucket.bucket import FlatBucket
 from ..bucket.user_comm import UserComm
@@ -308,8 +307,9 @@ class ParamGroup(GroupBackward):
             return cast_floating(output, self.mp_policy.output_dtype)
         return output
 
-    def reset(self) -> None:
-        """Forget this iteration: reshard, drop deposited gradients and pending work."""
+    def reset(self, clear_grads: bool = False) -> None:
+        """Forget this iteration: reshard, drop deposited gradients and pending work (and
+        with ``clear_grads`` every ``.grad`` of its parameters)."""
         for b in self.buckets:
             b.drop_state()
         if self.shard_state is ShardState.GATHERING:
@@ -319,7 +319,7 @@ class ParamGroup(GroupBackward):
         self._forwarded.clear()
         self.finalize_pending = False
         self.training_state = TrainingState.IDLE
-        if TORCH.reset_clears_grads:
+        if clear_grads:
             for p in self.params:
                 p.clear_grads()
 

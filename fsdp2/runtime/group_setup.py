@@ -49,12 +49,13 @@ def build_buckets(
     compute_device = mesh_device(comm.mesh)
     if HostOffload.for_policy(offload_policy, compute_device) is not None:
         check_offloadable(params)
-    by_dtype: dict[tuple[int, torch.dtype, torch.dtype, torch.dtype, bool, bool], list[int]] = {}
+    by_dtype: dict[tuple[int, torch.dtype, torch.dtype, torch.dtype, tuple[torch.dtype, bool], bool, bool], list[int]] = {}
     for i, p in enumerate(params):
         compute, reduce = bucket_dtypes(p, mp_policy)
-        by_dtype.setdefault((id(p.comm), p.dtype, compute, reduce, p.extension, p.dispatched), []).append(i)
+        key = (id(p.comm), p.dtype, compute, reduce, (p.grad_dtype, p.explicit_grad_dtype), p.extension, p.dispatched)
+        by_dtype.setdefault(key, []).append(i)
     buckets = []
-    for (_, dtype, compute, reduce, _, _), idx in by_dtype.items():
+    for (_, dtype, compute, reduce, _, _, _), idx in by_dtype.items():
         floating = dtype.is_floating_point
         offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its own copies
         mesh = params[idx[0]].comm
@@ -87,7 +88,7 @@ def _reduce_follows(p: FSDPParam, mp_policy: MixedPrecisionPolicy, compute_follo
     """The reduce dtype is the parameter's own and moves with ``model.to(dtype)``."""
     if mp_policy.reduce_dtype is not None and p.dtype.is_floating_point:
         return False
-    return p.grad_dtype == p.dtype if TORCH.reduce_follows_grad_dtype else compute_follows
+    return not p.explicit_grad_dtype if TORCH.reduce_follows_grad_dtype else compute_follows
 
 
 def join_gathers(buckets: list[FlatBucket]) -> list[FlatBucket]:

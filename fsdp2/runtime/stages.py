@@ -25,11 +25,15 @@ def refuse_foreign_stage(frame: FrameType | None) -> None:
             drives = frame.f_globals.get("FSDPModule")
             if stage_drives_fsdp_publicly() and isinstance(drives, type) and isinstance(getattr(stage, "submod", None), drives):
                 return  # torch 2.15's stage, with fsdp2's FSDPModule bound: it drives ours
+            patched = isinstance(drives, type) and drives.__module__.startswith("fsdp2")
             why = (
-                "recognizes only torch's own FSDPModule (run under python -m fsdp2.patch, which gives it "
+                "reduces its gradients on every micro-batch and loses weight gradients in zero-bubble schedules"
+                if not stage_drives_fsdp_publicly()
+                else "drives only a stage module that fully_shard was applied to itself (apply it to the stage's "
+                "module too, as its root)"
+                if patched
+                else "recognizes only torch's own FSDPModule (run under python -m fsdp2.patch, which gives it "
                 "fsdp2's, or use fsdp2's stage)"
-                if stage_drives_fsdp_publicly()
-                else "reduces its gradients on every micro-batch and loses weight gradients in zero-bubble schedules"
             )
             raise RuntimeError(
                 "fsdp2: a fully_shard-ed module runs in a stage of torch.distributed.pipelining, which "

@@ -69,8 +69,8 @@ class FSDPState:
         backward needs: backward goes on reading the parameters."""
         group = self.group
         ctx = group.ctx
-        if ctx is not None and ctx.in_backward:
-            return
+        if ctx is not None and (ctx.in_backward or ctx.reduction is not None):
+            return  # in a recompute; or the forward was refused before it changed anything
         if group.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL):
             group.reshard()
         if ctx is not None:
@@ -316,7 +316,11 @@ class RootContext(ManualFinalization):
 
     def complete_backward(self) -> None:
         """The end of a manually finalized iteration: wait for every reduce, write ``.grad``."""
-        self._commit(wait=True)
+        try:
+            self._commit(wait=True)
+        except BaseException:
+            self.needs_reset = True  # the next forward starts clean
+            raise
         self.manual_active = None
 
     def _commit(self, wait: bool = False) -> None:
@@ -340,11 +344,12 @@ class RootContext(ManualFinalization):
             g.training_state = TrainingState.IDLE
         run_post_accumulate_hooks(given)
 
-    def reset(self) -> None:
-        """Back to a clean step after an exception in forward or backward."""
+    def reset(self, clear_grads: bool = False) -> None:
+        """Back to a clean step after an exception in forward or backward (``clear_grads``:
+        the sharded and unsharded ``.grad`` go too, ``reset_iter_state()`` on torch 2.15)."""
         self.pending_reduces.clear()
         for g in self.groups:
-            g.reset()
+            g.reset(clear_grads)
         self.in_backward = False
         self.needs_reset = False
         self.active_forwards = 0
