@@ -27,6 +27,7 @@ import contextlib
 import functools
 import os
 import tempfile
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +45,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.host: set[int] = set()  # storage base pointers of host allocations
+        self.alive: dict[int, weakref.ref] = {}  # the same, to the tensor allocated there
         self.to_compute = 0
         self.to_host = 0
         self.gathers = 0
@@ -52,6 +54,12 @@ class Recorder:
 
     def holds(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.host
+
+    def holds_live(self, t: torch.Tensor) -> bool:
+        """``holds``, by an allocation whose tensor is still alive: a freed host
+        allocation's address may come back for anything (the allocator reuses it)."""
+        ref = self.alive.get(t.untyped_storage().data_ptr())
+        return ref is not None and ref() is not None
 
 
 _CURRENT: list[Recorder] = []  # this rank's recorder (the patches below are installed once)
@@ -86,6 +94,7 @@ def _install() -> None:
     def recorded_zeros(self: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
         out = zeros(self, numel, dtype)
         _CURRENT[0].host.add(out.untyped_storage().data_ptr())
+        _CURRENT[0].alive[out.untyped_storage().data_ptr()] = weakref.ref(out)
         return out
 
     def counted_to_compute(self: Any, shard: torch.Tensor) -> torch.Tensor:
@@ -98,6 +107,7 @@ def _install() -> None:
         _CURRENT[0].to_host += 1
         out = to_host(self, result)
         _CURRENT[0].host.add(out.untyped_storage().data_ptr())
+        _CURRENT[0].alive[out.untyped_storage().data_ptr()] = weakref.ref(out)
         return out
 
     cls.for_policy = staticmethod(for_policy)  # type: ignore[method-assign,assignment]
@@ -197,7 +207,7 @@ def _where(rank: int, world: int) -> dict[str, Any]:
         fsdp2.fully_shard(block, offload_policy=policy)
     fsdp2.fully_shard(model, offload_policy=policy)
     gathered: list[bool] = []
-    model.blocks[0].register_forward_pre_hook(lambda m, a: gathered.append(rec.holds(m.fc1.weight)))
+    model.blocks[0].register_forward_pre_hook(lambda m, a: gathered.append(rec.holds_live(m.fc1.weight)))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(2):
         ids, targets = batch(step, 2 * world)
