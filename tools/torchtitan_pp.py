@@ -98,6 +98,16 @@ def batch(step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]
 def run(
     args: argparse.Namespace, lib: str, dims: ParallelDims, full: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
+    """``_run`` for ``lib``; fsdp2's under the launcher's rebinding for the whole run, as
+    ``python -m fsdp2.patch`` has it (torch 2.15's stage reads its ``FSDPModule`` at each
+    step, not only when built)."""
+    with fsdp2.patch.applied() if lib == "fsdp2" else contextlib.nullcontext():
+        return _run(args, lib, dims, full)
+
+
+def _run(
+    args: argparse.Namespace, lib: str, dims: ParallelDims, full: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     """Split, parallelize (torchtitan's functions, ``lib``'s fully_shard and stage) and train."""
     parallelism = ParallelismConfig(
         data_parallel_shard_degree=dims.dp_shard, pipeline_parallel_degree=dims.pp,
@@ -110,13 +120,12 @@ def run(
         model = config.build()
     training = TrainingConfig(local_batch_size=LOCAL_BATCH, seq_len=SEQ, mixed_precision_param="float32")
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
-    with fsdp2.patch.applied() if lib == "fsdp2" else contextlib.nullcontext():  # the launcher's rebinding
-        schedule, parts, has_first, has_last = pipeline_llm(
-            model, parallel_dims=dims, training=training, parallelism=parallelism,
-            compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp",
-            device=torch.device("cpu"), model_config=config, parallelize_fn=llama3.parallelize_llama,
-            loss_fn=loss_fn,
-        )  # fmt: skip
+    schedule, parts, has_first, has_last = pipeline_llm(
+        model, parallel_dims=dims, training=training, parallelism=parallelism,
+        compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp",
+        device=torch.device("cpu"), model_config=config, parallelize_fn=llama3.parallelize_llama,
+        loss_fn=loss_fn,
+    )  # fmt: skip
     stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
     stage_types = sorted({f"{type(s).__module__}.{type(s).__name__}" for s in stages})
     for part in parts:
