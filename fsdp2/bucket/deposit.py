@@ -47,8 +47,10 @@ class Deposits:
         Otherwise, and before 2.15, in the compute dtype, cast once at the deposit."""
         b = self.bucket
         wide = wide and TORCH.accumulates_in_reduce_dtype and b.reduce_dtype != b.compute_dtype
-        if self._leaves_wide[0] == wide and self._leaves_wide[1] is b.unsharded_flat:
-            return  # as set for these leaves already (new leaves come with new storage)
+        if self._leaves_wide[1] is not b.unsharded_flat:  # new leaves (new storage): as built
+            self._leaves_wide = (False, b.unsharded_flat)
+        if self._leaves_wide[0] == wide:
+            return  # untouched unless some backward widens them (never before torch 2.15)
         self._leaves_wide = (wide, b.unsharded_flat)
         for p in self.params:
             leaf = p.unsharded
