@@ -65,8 +65,7 @@ class ManualFinalization:
     # starts (``None`` between iterations): the user's choice applies from the next one.
     manual_active: bool | None
     reduction: GradientReductionHandle | None  # an asynchronous finalize not waited for yet
-
-    needs_reset: bool
+    needs_reset: bool  # the next forward starts clean
 
     def complete_backward(self) -> None: ...  # RootContext: wait for reduces, write .grad
 
@@ -89,8 +88,7 @@ class ManualFinalization:
         for g in self.groups:
             if g.direct:
                 continue
-            late = g.requires_gradient_sync and g.has_unsharded_grads()
-            if g.calls.awaiting or late:
+            if g.has_backward_left():
                 if g.requires_gradient_sync:
                     g.forget_calls()
                     g.finalize_pending = True

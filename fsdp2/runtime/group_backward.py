@@ -104,6 +104,14 @@ class GroupBackward:
                 b.reduce.start(self.divide_factor(b), self.requires_all_reduce)
                 self.ctx.add_pending_reduce(self, b)
 
+    def has_backward_left(self) -> bool:
+        """At the end of a backward: Phase 4 has yet to run for forward calls whose node
+        never ran, gradients that came without one (``BackwardCalls.reduce_at_finalize``),
+        or gradients that reached a leaf after the reduce was issued (a use outside the
+        module after its backward)."""
+        late = self.requires_gradient_sync and self.has_unsharded_grads()
+        return not self.direct and (self.calls.awaiting or late)
+
     def has_unsharded_grads(self) -> bool:
         return any(b.reduce.has_unsharded_grads() for b in self.buckets)
 

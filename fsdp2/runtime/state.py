@@ -293,11 +293,7 @@ class RootContext(ManualFinalization):
             self.defer_to_finalize()
             return
         for g in self.groups:
-            # Forward calls whose node never ran, gradients that came without one (see
-            # ``BackwardCalls.reduce_at_finalize``), and any that reached a leaf after its group's
-            # reduce was issued (a use outside the module after its backward).
-            late = g.requires_gradient_sync and g.has_unsharded_grads()
-            if not g.direct and (g.calls.awaiting or late):
+            if g.has_backward_left():
                 g.post_backward()
         self._commit()
         self.in_backward = False
