@@ -231,9 +231,9 @@ def test_buffers_after_meta_init_behave_as_unsharded() -> None:
 
 
 def _pickle_worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
-    """Sharded parameters through ``torch.save`` / ``torch.load`` (one, and the model's
-    list, as fault-tolerance and EMA helpers save them) and ``copy.deepcopy``: what comes
-    back, as seen from this rank."""
+    """Sharded parameters through ``torch.save`` / ``torch.load`` (one, the model's list,
+    and a parameter's ``detach()`` and ``.data``, as fault-tolerance and EMA helpers save
+    them) and ``copy.deepcopy``: what comes back, as seen from this rank."""
     import copy
     import io
 
@@ -259,7 +259,10 @@ def _pickle_worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, make in (("one", lambda: same(through_save(one), one)),
                        ("list", lambda: [same(g, w) for g, w in zip(through_save(params), params)]),
-                       ("deepcopy", lambda: same(copy.deepcopy(one), one))):
+                       ("deepcopy", lambda: same(copy.deepcopy(one), one)),
+                       ("detach", lambda: same(through_save(one.detach()), one)),
+                       ("data", lambda: same(through_save(one.data), one)),
+                       ("deepcopy detached", lambda: same(copy.deepcopy(one.detach()), one))):
         try:
             out[name] = make()
         except Exception as e:  # noqa: BLE001 - reported per case
@@ -267,7 +270,7 @@ def _pickle_worker(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("case", ["one", "list", "deepcopy"])
+@pytest.mark.parametrize("case", ["one", "list", "deepcopy", "detach", "data", "deepcopy detached"])
 def test_sharded_parameters_save_load_and_deepcopy_as_torch(case: str) -> None:
     for mine, theirs in zip(_at(2)["pickle fsdp2"], _at(2)["pickle torch"]):
         assert isinstance(theirs[case], list), theirs[case]  # the script itself is right

@@ -4,9 +4,9 @@ Layouts (``W`` shard ranks, ``S`` = sum of the padded shard sizes):
 
 * sharded flat (``S + R`` elements, the parameters' dtype): each parameter's block (its
   shard, contiguous in its own shape, then padding) at its ``offset``, then the ``R``
-  replicated scalars. It is the storage of the sharded DTensors, so the optimizer
-  updates it in place and the all-gather reads it directly (a single cast when
-  ``param_dtype`` differs).
+  replicated scalars. The sharded DTensors' local tensors are slices of its storage
+  (``own_storage_view``), so the optimizer updates it in place and the all-gather reads
+  it directly (a single cast when ``param_dtype`` differs).
 * all-gather output (``W x S``, rank-major): rank ``r``'s sharded flat in row ``r``.
 * unsharded flat (``W*S + R``, compute dtype): parameter-major, each parameter's
   ``W`` blocks in a region of its own; a parameter sharded on dim 0 is that region read
@@ -25,12 +25,15 @@ rest on the device (``HostOffload``, ``offload.py``); elsewhere ``offload`` is N
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..comm.mesh import MeshInfo
+from ..params.dtensor import contiguous_stride
 from ..params.param import FSDPParam
 from .commit import GradCommit
 from .extension import ExtensionGather
@@ -211,10 +214,11 @@ class FlatBucket:
         return self._flat_alias[1]
 
     def local_view(self, p: FSDPParam) -> torch.Tensor:
-        """``p``'s real rows inside the sharded flat buffer."""
+        """``p``'s real rows inside the sharded flat buffer, over a storage of their own
+        (``own_storage_view``)."""
         if p.is_replicated:
-            return self.sharded_flat[p.offset].view(())
-        return self.sharded_flat[p.offset : p.offset + p.layout.local_numel].view(p.local_shape)
+            return own_storage_view(self.sharded_flat, p.offset, ())
+        return own_storage_view(self.sharded_flat, p.offset, tuple(p.local_shape))
 
     @property
     def storage_lent(self) -> bool:
@@ -371,6 +375,26 @@ class KeptCopy:
         for p in b.params:
             version += p.sharded._version + p.sharded._local_tensor._version  # type: ignore[union-attr]
         return version
+
+
+def own_storage_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous ``shape`` tensor over ``flat``'s elements from ``offset`` on, whose
+    storage is a slice of ``flat``'s (it keeps ``flat``'s alive) and starts at its data.
+
+    As torch's own sharded parameters, the local tensor sits at storage offset 0: a
+    DTensor built over it by torch's ops (``p.detach()``, ``p.data``, a view) then has
+    offset 0 too, which ``torch.save`` and ``copy.deepcopy`` need of a wrapper. A plain
+    view where there is no data (meta and fake tensors: the planner's dry runs). Made
+    outside any dispatch mode, so memory trackers count ``flat`` alone.
+    """
+    numel = math.prod(shape)
+    if flat.untyped_storage().device.type == "meta":
+        return flat[offset : offset + numel].view(shape)
+    size = flat.element_size()
+    start = (flat.storage_offset() + offset) * size
+    with _disable_current_modes():
+        piece = flat.untyped_storage()[start : start + numel * size]
+        return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(piece, 0, shape, contiguous_stride(shape))
 
 
 def _storage_refs(t: torch.Tensor) -> int | None:

@@ -168,16 +168,15 @@ def _flat_swap(entries: list[_Swapped]) -> _FlatSwapped | None:
     flat_param = bucket.sharded_flat
     if flat_param.numel() != numel:
         return None
-    storage = flat_param.untyped_storage().data_ptr()
-    base = flat_param.storage_offset()
+    base, size = flat_param.data_ptr(), flat_param.element_size()
     stateless = entries[0].state is None  # plain SGD
     for s in entries:
-        local = s.param._local_tensor  # compared by storage: an empty tensor's data_ptr is 0
+        local = s.param._local_tensor  # still over its rows of the flat buffer (a storage slice)
         if (
             s.grad is None
             or (s.state is None) != stateless
-            or local.untyped_storage().data_ptr() != storage
-            or local.storage_offset() != base + s.fp.offset
+            or not local.is_contiguous()
+            or (local.numel() > 0 and local.data_ptr() != base + s.fp.offset * size)
         ):
             return None
     grad = _flat_view([s.grad for s in entries], entries, numel, flat_param.dtype)
