@@ -44,7 +44,7 @@ class Recorder:
     """Counts the offload's copies and remembers the host memory it allocated."""
 
     def __init__(self) -> None:
-        self.host: set[int] = set()  # storage base pointers of host allocations
+        self.host: dict[int, int] = {}  # host allocations: storage base pointer -> bytes
         self.alive: dict[int, weakref.ref] = {}  # the same, to the tensor allocated there
         self.to_compute = 0
         self.to_host = 0
@@ -52,13 +52,20 @@ class Recorder:
         self.from_partial = 0  # gathers of an integer reshard's kept rows (on the device)
         self.staged = 0
 
+    def _base(self, t: torch.Tensor) -> int | None:
+        """The host allocation ``t``'s data lies in (a shard's storage is a slice of its
+        bucket's), if any."""
+        ptr = t.data_ptr()
+        return next((base for base, n in self.host.items() if base <= ptr < base + max(n, 1)), None)
+
     def holds(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self.host
+        return self._base(t) is not None
 
     def holds_live(self, t: torch.Tensor) -> bool:
         """``holds``, by an allocation whose tensor is still alive: a freed host
         allocation's address may come back for anything (the allocator reuses it)."""
-        ref = self.alive.get(t.untyped_storage().data_ptr())
+        base = self._base(t)
+        ref = self.alive.get(base) if base is not None else None
         return ref is not None and ref() is not None
 
 
@@ -93,7 +100,7 @@ def _install() -> None:
 
     def recorded_zeros(self: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
         out = zeros(self, numel, dtype)
-        _CURRENT[0].host.add(out.untyped_storage().data_ptr())
+        _CURRENT[0].host[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
         _CURRENT[0].alive[out.untyped_storage().data_ptr()] = weakref.ref(out)
         return out
 
@@ -106,7 +113,7 @@ def _install() -> None:
     def recorded_to_host(self: Any, result: torch.Tensor) -> torch.Tensor:
         _CURRENT[0].to_host += 1
         out = to_host(self, result)
-        _CURRENT[0].host.add(out.untyped_storage().data_ptr())
+        _CURRENT[0].host[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
         _CURRENT[0].alive[out.untyped_storage().data_ptr()] = weakref.ref(out)
         return out
 

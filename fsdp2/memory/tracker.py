@@ -24,7 +24,9 @@ models and optimizers seen so far (``note_module``, ``note_optimizer``):
 
 The peak bytes are exact; the split is taken whenever the live bytes rise 0.2% above
 the last split's (a split walks the models' tensors), so it describes a moment within
-0.2% of the peak and may sum to slightly less than it. Storages resized without an op
+0.2% of the peak and may sum to slightly less than it. A storage over memory another
+live storage already holds (a slice of it: fsdp2's shards over their flat buffer) is
+not counted again. Storages resized without an op
 other than fsdp2's gathered buffers (an all-gather extension's outputs) keep the size
 they had when last seen, and frees on another thread (gloo's, in a ``--measure`` run on
 3+ ranks) are counted without a lock.
@@ -32,6 +34,7 @@ they had when last seen, and frees on another thread (gloo's, in a ``--measure``
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +65,14 @@ def _key(t: torch.Tensor, meta: bool = False) -> tuple[int, torch.UntypedStorage
     return storage._cdata, storage
 
 
+def _data_ptr(storage: torch.UntypedStorage) -> int:
+    """Where ``storage``'s bytes start; 0 for a wrapper subclass's storage, which has none."""
+    try:
+        return storage.data_ptr()
+    except RuntimeError:
+        return 0
+
+
 class MemoryTracker(TorchDispatchMode):
     """Counts live tensor bytes; ``phase()`` and ``where()`` (callables) say where the
     step is, for the peak's report."""
@@ -74,6 +85,9 @@ class MemoryTracker(TorchDispatchMode):
         self.split_every = split_every
         self.live: dict[int, tuple[int, str]] = {}  # storage key -> (bytes, phase made in)
         self._refs: dict[int, weakref.ref] = {}
+        self._spans: list[tuple[int, int, int]] = []  # (first byte, end, key) of counted storages, sorted
+        self._span_of: dict[int, tuple[int, int, int]] = {}
+        self._slices: dict[int, weakref.ref] = {}  # storages over a counted one's memory: not counted
         self.now = 0
         self.peak = 0
         self.ops = 0  # ops seen
@@ -96,6 +110,8 @@ class MemoryTracker(TorchDispatchMode):
                 found = _key(t, self.meta)
                 if found is not None:
                     key, storage = found
+                    if key in self._slices:
+                        continue
                     if key not in self.live or self.live[key][0] != storage.nbytes():
                         phase = phase or self.phase()
                         self._count(key, storage, phase)
@@ -108,18 +124,48 @@ class MemoryTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         old = self.live.get(key)
         if old is None:
+            if self._within_counted(storage):
+                self._slices[key] = weakref.ref(storage, lambda _, key=key: self._slices.pop(key, None))
+                return
             self._refs[key] = weakref.ref(storage, lambda _, key=key: self._died(key))
             self.live[key] = (nbytes, phase)
             self.now += nbytes
         else:
             self.live[key] = (nbytes, old[1])
             self.now += nbytes - old[0]
+            self._forget_span(key)
+        start = _data_ptr(storage)
+        if nbytes and start:
+            span = (start, start + nbytes, key)
+            self._span_of[key] = span
+            bisect.insort(self._spans, span)
+
+    def _within_counted(self, storage: torch.UntypedStorage) -> bool:
+        """``storage``'s bytes lie inside a counted storage's (a slice of it), which
+        still holds them (not one resized since, without an op)."""
+        start, nbytes = _data_ptr(storage), storage.nbytes()
+        if not start or not nbytes:
+            return False
+        i = bisect.bisect_right(self._spans, (start, float("inf"), 0)) - 1
+        if i < 0 or self._spans[i][1] < start + nbytes:
+            return False
+        base_start, base_end, key = self._spans[i]
+        base = self._refs[key]()
+        return base is not None and _data_ptr(base) == base_start and base.nbytes() >= base_end - base_start
+
+    def _forget_span(self, key: int) -> None:
+        span = self._span_of.pop(key, None)
+        if span is not None:
+            i = bisect.bisect_left(self._spans, span)
+            if i < len(self._spans) and self._spans[i] == span:
+                del self._spans[i]
 
     def _died(self, key: int) -> None:
         entry = self.live.pop(key, None)
         self._refs.pop(key, None)
         if entry is not None:
             self.now -= entry[0]
+            self._forget_span(key)
 
     def _recheck_gathered(self) -> None:
         """fsdp2 resizes its gathered buffers' storage without an op: re-read them."""
