@@ -11,10 +11,12 @@ from .api import (
     ShardPlacementResult,
 )
 from .fully_shard import fully_shard
+from .memory.held import held_bytes, release_memory
 from .optim import clip_grad_norm_
 from .params.state_dict import StateDictError
 from .planning import plan
 from .runtime.finalize import GradientReductionHandle
+from .weights import full_weights
 
 __all__ = [
     "BlockQuantization",
@@ -28,8 +30,11 @@ __all__ = [
     "StateDictError",
     "UnshardHandle",
     "clip_grad_norm_",
+    "full_weights",
     "fully_shard",
+    "held_bytes",
     "register_fsdp_forward_method",
+    "release_memory",
     "share_comm_ctx",
 ]
 __version__ = "0.1.0"

@@ -109,6 +109,20 @@ def _check_train_run(args: list[str], world: int, restarted: bool) -> None:
     )
 
 
+def _check_rl_loop(args: list[str], world: int) -> str:
+    """examples/rl_loop.py: its flags parse, and tests/test_rl_loop.py runs it at this
+    world size with this library (2 ranks: both, 4 ranks: fsdp2)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import rl_loop
+
+    ns = rl_loop.parse_args(args)
+    assert world in (2, 4) and (world == 2 or ns.impl == "fsdp2"), (
+        f"examples/rl_loop.py {args} at {world} ranks: tests/test_rl_loop.py runs 2 ranks (both libraries) "
+        "and 4 (fsdp2); document one of those"
+    )
+    return "run by tests/test_rl_loop.py"
+
+
 def _world(nproc: Any, nnodes: Any) -> int:
     return int(str(nproc)) * int(str(nnodes).split(":")[-1])
 
@@ -169,8 +183,10 @@ def check(cmd: str) -> str:
             return _check_launcher(parsed.training_script_args, cmd)
         if parsed.module and parsed.training_script == "fsdp2.estimate":
             return check(" ".join(["python", "-m", "fsdp2.estimate", *map(shlex.quote, parsed.training_script_args)]))
-        assert parsed.training_script == "examples/train.py", cmd
         world = _world(parsed.nproc_per_node, parsed.nnodes)
+        if parsed.training_script == "examples/rl_loop.py":
+            return _check_rl_loop(parsed.training_script_args, world)
+        assert parsed.training_script == "examples/train.py", cmd
         _check_train_run(parsed.training_script_args, world, int(parsed.max_restarts) > 0)
         return "run by a test"
     if words[:3] == ["python", "-m", "fsdp2.patch"]:

@@ -109,7 +109,7 @@ LAYERS = [
     ["fsdp2.runtime"],
     ["fsdp2._validate", "fsdp2._placement", "fsdp2._knobs", "fsdp2._classes", "fsdp2._module",
      "fsdp2.fully_shard", "fsdp2.pipelining"],
-    ["fsdp2.memory"],
+    ["fsdp2.memory", "fsdp2.weights"],
     ["fsdp2.planning"],
     ["fsdp2"],
     ["fsdp2.estimate", "fsdp2.patch"],

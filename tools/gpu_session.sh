@@ -31,3 +31,7 @@ step estimate 120 $py -m fsdp2.estimate --nproc-per-node 1 -- $args
 step measure 120 $py -m torch.distributed.run --nproc-per-node 1 -m fsdp2.estimate --measure -- $args
 step train_fsdp2 90 $py -m torch.distributed.run --nproc-per-node 1 examples/train.py --steps 20 --bf16 --dim 1024 --layers 8 --heads 8 --vocab 8192 --seq-len 512
 step train_torch 90 $py -m torch.distributed.run --nproc-per-node 1 examples/train.py --steps 20 --bf16 --dim 1024 --layers 8 --heads 8 --vocab 8192 --seq-len 512 --impl torch
+# Weights out, memory back: device moves between RL phases; the device's allocated bytes after model.cpu()
+rl="examples/rl_loop.py --iterations 3 --dim 1024 --layers 8 --heads 8 --vocab 8192"
+step rl_fsdp2 120 $py -m torch.distributed.run --nproc-per-node 1 $rl
+step rl_torch 120 $py -m torch.distributed.run --nproc-per-node 1 $rl --impl torch

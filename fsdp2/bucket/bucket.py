@@ -231,13 +231,14 @@ class FlatBucket:
         if self.in_place is not None and self.reduce.is_plain:
             self.in_place.lend(self.reduce)
 
-    def free_unsharded(self) -> None:
+    def free_unsharded(self, even_kept: bool = False) -> None:
         """Release the unsharded storage, unless the user asked to keep it
         (``set_keep_unsharded_storage``: its data pointers then stay the same until the
-        keep is turned off or ``module._apply`` makes new storage)."""
+        keep is turned off or ``module._apply`` makes new storage) and ``even_kept`` is
+        False (``fsdp2.release_memory``: the next gather allocates it anew)."""
         if self.extension_gather is not None:
             self.extension_gather.free()
-        if self.user.keep_unsharded_storage:
+        if self.user.keep_unsharded_storage and not even_kept:
             return
         if not self.gather_is_identity and not self.storage_lent:
             self.unsharded_flat.untyped_storage().resize_(0)
@@ -263,7 +264,11 @@ class FlatBucket:
     def rebind(self) -> None:
         """Adopt whatever ``module._apply`` (``to_empty``, ``to``, ``double``...) put into
         the sharded parameters: copy their values into fresh flat storage on their new
-        device and dtype, and point the parameters back at it."""
+        device and dtype, and point the parameters back at it. Nothing of ours keeps the
+        old storage (the optimizer's aliases of it go)."""
+        self._flat_alias = None
+        for p in self.params:
+            p._alias = None
         current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
         locals_ = [c.to_local() if isinstance(c, torch.distributed.tensor.DTensor) else c for c in current]
         device, dtype = locals_[0].device, locals_[0].dtype

@@ -67,3 +67,8 @@ class BufferPool:
     def idle_bytes(self) -> int:
         """Bytes held by idle buffers (what the pool costs between steps)."""
         return sum(raw.numel() for free in self._free.values() for raw in free)
+
+    def drop_idle(self) -> None:
+        """Give every idle buffer back to the allocator (``fsdp2.release_memory``, a model
+        moved off the device); buffers in use stay with their holders."""
+        self._free.clear()

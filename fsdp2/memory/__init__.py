@@ -1,1 +1,1 @@
-"""What ``fsdp2.estimate`` and ``fsdp2.plan`` measure with: live tensor bytes of one rank by category and their peak, and collectives that deliver as if every rank held this one's data."""
+"""What ``fsdp2.estimate`` and ``fsdp2.plan`` measure with: live tensor bytes of one rank by category and their peak, and collectives that deliver as if every rank held this one's data; and what fsdp2 holds for a model now, and giving back what it can rebuild (``held.py``: ``fsdp2.held_bytes``, ``fsdp2.release_memory``)."""

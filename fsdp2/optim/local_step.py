@@ -267,3 +267,14 @@ def install_hooks(pre_hook: Callable[[torch.optim.Optimizer, tuple, dict], None]
         if not _HOOKS:
             _HOOKS.append(_optimizer.register_optimizer_step_pre_hook(pre_hook))
             _HOOKS.append(_optimizer.register_optimizer_step_post_hook(post_step))
+
+
+def forget_plans_of(buckets: list[Any]) -> None:
+    """Drop every optimizer's kept plan that steps a parameter of ``buckets``: their
+    parameters moved (``module._apply``), and a kept plan holds the flat optimizer state
+    of the old device, which the user's own move of the state would leave behind."""
+    ids = {id(b) for b in buckets}
+    for steps in list(_ATTACHED.values()):
+        for key, plan in list(steps.plans.items()):
+            if any(id(f.bucket) in ids for f in plan.flats):
+                del steps.plans[key]

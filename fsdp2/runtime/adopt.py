@@ -4,6 +4,7 @@ parameters reassigned since or given all-gather hooks since."""
 
 from __future__ import annotations
 
+from ..optim.local_step import forget_plans_of
 from .group import ParamGroup
 from .group_setup import adoptable_replacements, join_reduces, rebucket
 
@@ -16,9 +17,13 @@ def rebind(group: ParamGroup) -> None:
     current = [[p.owners[0][0]._parameters[p.owners[0][1]] for p in b.params] for b in group.buckets]
     if len({t.device for ts in current for t in ts}) > 1 or any(len({t.dtype for t in ts}) > 1 for ts in current):
         return  # another module's _apply will finish the conversion
+    before = {b.device for b in group.buckets}
     for b in group.buckets:
         b.rebind()
     join_reduces(group.buckets)  # which buckets reduce alike follows their dtypes
+    forget_plans_of(group.buckets)  # they hold the old storage's optimizer state
+    for device in before - {b.device for b in group.buckets}:  # moved off a device: hold nothing there
+        group.comm.local.pool(device).drop_idle()
 
 
 def adopt_reassigned(group: ParamGroup) -> None:
