@@ -81,9 +81,36 @@ def _toy(rank: int, world: int, mesh: Any = None, **shard_kwargs: Any) -> torch.
     return model
 
 
+def _peak(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """The most bytes of tensors ``full_weights`` made alive at once (each yielded tensor
+    dropped by the caller), and the bound: two groups' gathers at full size, the next
+    group's cast shard and the largest parameter twice (a dim-1 shard's blocks are made
+    contiguous before they are copied out)."""
+    from fsdp2._module import groups_under
+    from fsdp2.memory.tracker import MemoryTracker
+
+    tracker = MemoryTracker(lambda: "export", lambda: "")
+    groups = groups_under(model)
+    with tracker:  # what exists already: counted before
+        for t in [b.sharded_flat for g in groups for b in g.buckets] + [p.to_local() for p in model.parameters()]:
+            torch.ops.aten.alias(t)
+        tracker.reset_peak()
+    base = tracker.now
+    with tracker:
+        for _, value in fsdp2.full_weights(model, dtype=dtype):
+            del value
+    size = dtype.itemsize
+    gathered = [sum(b.comm.shard_size * b.shard_numel * size for b in g.buckets) for g in groups]
+    shards = [sum(b.shard_numel * size for b in g.buckets) for g in groups]
+    pairs = [gathered[i] + gathered[i + 1] + shards[i + 1] for i in range(len(groups) - 1)] or gathered
+    largest = max(p.numel() * size for p in model.parameters())
+    return {"peak": tracker.peak - base, "bound": max(pairs) + 2 * largest}
+
+
 def _one_d(rank: int, world: int) -> dict[str, Any]:
     model = _toy(rank, world, dim1=True)
     out = {"f64": _compare(model, None), "bf16": _compare(model, torch.bfloat16)}
+    out["memory"] = _peak(model, torch.bfloat16)
     got, gathers, _ = _export(model, dtype=torch.bfloat16, rank0_only=True)
     out["rank0_only"] = {"count": len(got), "gathers": gathers}
     model(batch(1, 2 * world)[0].chunk(world)[rank])  # the root stays unsharded after its forward
@@ -98,6 +125,32 @@ def _one_d(rank: int, world: int) -> dict[str, Any]:
         except TypeError as e:
             out[f"bad {bad}"] = str(e)
     return out
+
+
+def _integer(rank: int, world: int) -> dict[str, Any]:
+    """An integer parameter (its own bucket) goes out as it is, not cast."""
+    torch.manual_seed(0)
+    model = ToyModel(scalar_gate=False)
+    model.blocks[0].counts = torch.nn.Parameter(torch.arange(7) * 1_000_003 + 16_777_217, requires_grad=False)
+    for block in model.blocks:
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    return {"bf16": _compare(model, torch.bfloat16)}
+
+
+def _two_dim_tp(rank: int, world: int) -> dict[str, Any]:
+    """Parameters on a 2-D model-parallel mesh, sharded by both dims (the same tensor
+    dim twice, and two dims), with uneven pieces, under a data-parallel mesh of one."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "a", "b"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7, bias=False), torch.nn.Linear(7, 9, bias=False)).double()
+    for layer, placements in zip(model, ([Shard(0), Shard(0)], [Shard(0), Shard(1)])):
+        full = layer.weight.detach()
+        layer.weight = torch.nn.Parameter(distribute_tensor(full, mesh["a", "b"], placements))
+    fsdp2.fully_shard(model, mesh=mesh["dp"])
+    return {"bf16": _compare(model, torch.bfloat16), "f64": _compare(model, None)}
 
 
 def _quantized(rank: int, world: int) -> dict[str, Any]:
@@ -152,9 +205,9 @@ def _launcher(rank: int, world: int) -> dict[str, Any]:
 
 @cached_outcome
 def _at(world: int) -> dict[str, list]:
-    scenarios: dict[str, tuple] = {"one_d": (_one_d, ()), "quantized": (_quantized, ())}
+    scenarios: dict[str, tuple] = {"one_d": (_one_d, ()), "quantized": (_quantized, ()), "integer": (_integer, ())}
     if world == 4:
-        scenarios.update(hsdp=(_hsdp, ()), dp_tp=(_dp_tp, ()), experts=(_experts, ()))
+        scenarios.update(hsdp=(_hsdp, ()), dp_tp=(_dp_tp, ()), experts=(_experts, ()), two_dim_tp=(_two_dim_tp, ()))
     else:
         scenarios.update(moves=(_moves, ("fsdp2",)), moves_torch=(_moves, ("torch",)), release=(_release, ()),
                          launcher=(_launcher, ()))
@@ -177,6 +230,13 @@ def test_full_weights_equal_the_per_parameter_loop_in_one_gather_per_group(world
         assert out["rank0_only"]["gathers"] == 4, out
         assert out["rank0_only"]["count"] == (out["f64"]["count"] if rank == 0 else 0), out
         assert "floating-point torch.dtype" in out["bad torch.int64"] and "'bf16'" in out["bad bf16"], out
+        assert 0 < out["memory"]["peak"] <= out["memory"]["bound"], out["memory"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_full_weights_leave_integer_parameters_as_they_are(world: int) -> None:
+    for out in _at(world)["integer"]:
+        _ok(out["bf16"], gathers=5)  # one more bucket: the integer parameter's
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -186,10 +246,12 @@ def test_full_weights_are_not_quantized(world: int) -> None:
         _ok(out["f32"], gathers=4)
 
 
-@pytest.mark.parametrize("case", ["hsdp", "dp_tp", "experts"])
+@pytest.mark.parametrize("case", ["hsdp", "dp_tp", "experts", "two_dim_tp"])
 def test_full_weights_on_hsdp_tensor_parallel_and_expert_meshes(case: str) -> None:
-    # dp x tp: each of the 3 groups gathers once over dp and once over tp.
-    gathers = {"hsdp": 4, "dp_tp": 6}.get(case)
+    # dp x tp: each of the 3 groups gathers once over dp and once over tp; experts: 2 blocks
+    # of a dense and an expert bucket, plus the root, then one gather over ep per block;
+    # a 2-D model-parallel mesh under a dp mesh of one: one gather per mesh dim.
+    gathers = {"hsdp": 4, "dp_tp": 6, "experts": 7, "two_dim_tp": 2}[case]
     for out in _at(4)[case]:
         for result in out.values():
             _ok(result, gathers=gathers)
@@ -209,8 +271,8 @@ def _step(model: torch.nn.Module, opt: Any, step: int, rank: int, world: int) ->
     opt.zero_grad()
 
 
-def _move_optimizer_state(opt: torch.optim.Optimizer, device: str) -> None:
-    """What verl's offload helpers do with the optimizer state."""
+def _move_optimizer_state(opt: torch.optim.Optimizer, device: Any) -> None:
+    """What verl's offload helpers do with the optimizer state (also to a dtype)."""
     for group in opt.param_groups:
         for p in group["params"]:
             for key, value in opt.state[p].items():
@@ -225,7 +287,7 @@ def _moves(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     runs = []
     for move in (False, True):
         torch.manual_seed(0)
-        model = ToyModel(scalar_gate=False).double()
+        model = ToyModel(scalar_gate=False)
         for block in model.blocks:
             lib.fully_shard(block)
         lib.fully_shard(model)
@@ -237,9 +299,20 @@ def _moves(rank: int, world: int, lib_name: str) -> dict[str, Any]:
                 _move_optimizer_state(opt, "cpu")
                 model.to("cpu")
                 _move_optimizer_state(opt, "cpu")
+                # new storage on the way out and back, exactly (float32 -> float64 -> float32)
+                model.double()
+                _move_optimizer_state(opt, torch.float64)
+                model.float()
+                _move_optimizer_state(opt, torch.float32)
         runs.append(full_params(model))
     same = all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
     return {"same": same}
+
+
+def _buckets(model: torch.nn.Module) -> list[Any]:
+    from fsdp2._module import groups_under
+
+    return [b for g in groups_under(model) for b in g.buckets]
 
 
 def _release(rank: int, world: int) -> dict[str, Any]:
@@ -259,6 +332,7 @@ def _release(rank: int, world: int) -> dict[str, Any]:
                 out.setdefault("before", fsdp2.held_bytes(model, "cpu"))
                 fsdp2.release_memory(model)
                 out.setdefault("after", fsdp2.held_bytes(model))
+                out["flat_bytes"] = sum(b.sharded_flat.untyped_storage().nbytes() for b in _buckets(model))
         if release:  # gradients waiting for a reduce: refused, nothing changed
             model.set_requires_gradient_sync(False)
             ids, targets = batch(7, 2 * world)
@@ -290,7 +364,8 @@ def test_release_memory_gives_back_what_fsdp2_can_rebuild_and_training_goes_on()
     for out in _at(2)["release"]:
         before, after = out["before"], out["after"]
         assert before.get("unsharded parameters", 0) > 0 and before.get("pooled buffers", 0) > 0, before
-        assert set(after) <= {"sharded parameters", "gradients"} and after["sharded parameters"] > 0, after
+        assert set(after) <= {"sharded parameters", "gradients"}, after
+        assert after["sharded parameters"] == out["flat_bytes"], out  # each shard's memory once
         assert "waiting to be reduced" in out["refused"] and out["unchanged"], out
         assert out["same"], out
         assert out["moved_off"] == {} and "sharded parameters" in out["moved_to"], out

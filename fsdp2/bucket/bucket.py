@@ -268,7 +268,7 @@ class FlatBucket:
         old storage (the optimizer's aliases of it go)."""
         self._flat_alias = None
         for p in self.params:
-            p._alias = None
+            p.forget_alias()
         current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
         locals_ = [c.to_local() if isinstance(c, torch.distributed.tensor.DTensor) else c for c in current]
         device, dtype = locals_[0].device, locals_[0].dtype
@@ -389,11 +389,14 @@ def own_storage_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) ->
     As torch's own sharded parameters, the local tensor sits at storage offset 0: a
     DTensor built over it by torch's ops (``p.detach()``, ``p.data``, a view) then has
     offset 0 too, which ``torch.save`` and ``copy.deepcopy`` need of a wrapper. A plain
-    view where there is no data (meta and fake tensors: the planner's dry runs). Made
-    outside any dispatch mode, so memory trackers count ``flat`` alone.
+    view where there is no data (meta and fake tensors: the planner's dry runs) and in
+    pinned host memory (offloaded shards): the host allocator records a ``non_blocking``
+    copy's event only on a tensor whose storage is its own allocation, and would reuse
+    the memory under a copy still reading it. Made outside any dispatch mode, so memory
+    trackers count ``flat`` alone.
     """
     numel = math.prod(shape)
-    if flat.untyped_storage().device.type == "meta":
+    if flat.untyped_storage().device.type == "meta" or flat.is_pinned():
         return flat[offset : offset + numel].view(shape)
     size = flat.element_size()
     start = (flat.storage_offset() + offset) * size

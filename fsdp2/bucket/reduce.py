@@ -162,6 +162,11 @@ class BucketReduce(Deposits):
     def has_pooled_input(self) -> bool:
         return self._input is not None
 
+    def is_pending(self) -> bool:
+        """Gradients deposited, reduced rows not yet committed, or a reduce in flight, or
+        (HSDP) a row waiting for the replicas' all-reduce."""
+        return self.state is not ReduceState.IDLE or bool(self.ready) or self._unreplicated is not None
+
     # ------------------------------------------------------------------ reduce
     def start(self, divide_factor: float, all_reduce: bool = True) -> None:
         """Issue the reduce of everything deposited; undeposited gradients count as zero

@@ -68,6 +68,13 @@ class BufferPool:
         """Bytes held by idle buffers (what the pool costs between steps)."""
         return sum(raw.numel() for free in self._free.values() for raw in free)
 
+    def idle_buffers(self) -> list[torch.Tensor]:
+        """The idle byte buffers, every device."""
+        return [raw for free in self._free.values() for raw in free]
+
+    def buffers_in_use(self) -> list[torch.Tensor]:
+        return [raw for raw, _ in self._in_use.values()]
+
     def drop_idle(self) -> None:
         """Give every idle buffer back to the allocator (``fsdp2.release_memory``, a model
         moved off the device); buffers in use stay with their holders."""

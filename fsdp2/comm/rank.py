@@ -39,6 +39,9 @@ class RankLocal:
             pool = self._pools[device] = BufferPool()
         return pool
 
+    def pools(self) -> list[BufferPool]:
+        return list(self._pools.values())
+
     def subgroup(self, kind: str, ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
         """The process group of ``kind`` over ``ranks``, made the first time this rank asks
         (by the member ranks only, ``use_local_synchronization``: each makes its groups in

@@ -10,10 +10,8 @@ import torch
 from torch import nn
 
 from .._module import groups_under
-from ..bucket.deposit import ReduceState
-from ..comm.rank import this_rank
 from ..runtime.group_setup import TrainingState
-from .tracker import _claim_group, _key
+from .tracker import claim_group, storage_key
 
 POOLED = "pooled buffers"  # this rank's idle communication buffers, shared by its models
 
@@ -23,52 +21,77 @@ def held_bytes(model: nn.Module, device: torch.device | str | None = None) -> di
     category: the sharded parameters, their gradients, the unsharded parameters (storage
     left gathered, kept or pending), communication buffers, gradients waiting to be
     reduced, and this rank's idle pooled buffers (``"pooled buffers"``, shared by every
-    model of the rank). Each storage is counted once, under its first category."""
+    model of the rank). Memory is counted once, under the first category that claims it
+    (a shard's storage is a slice of its bucket's flat buffer: counted with the buffer)."""
     want = None if device is None else torch.device(device)
-    seen: dict[int, str] = {}
-    out: dict[str, int] = {}
+    found: dict[int, tuple[torch.UntypedStorage, str]] = {}
 
     def claim(t: Any, category: str) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        found = _key(t, meta=True)
-        if found is None or found[0] in seen:
-            return
-        key, storage = found
-        if want is not None and not _same_device(storage.device, want):
-            return
-        seen[key] = category
-        out[category] = out.get(category, 0) + storage.nbytes()
+        if isinstance(t, torch.Tensor):
+            key = storage_key(t, meta=True)
+            if key is not None and key[0] not in found and (want is None or _same_device(key[1].device, want)):
+                found[key[0]] = (key[1], category)
 
-    for group in groups_under(model):
+    groups = groups_under(model)
+    for group in groups:
         for p in group.params:
             if p.sharded is not None:
                 claim(p.sharded.grad, "gradients")
-        _claim_group(group, claim)
-    for dev, pool in this_rank()._pools.items():
-        if want is None or _same_device(dev, want):
-            for raw in (r for free in pool._free.values() for r in free):
-                claim(raw, POOLED)
+        claim_group(group, claim)
+    for pool in _pools(groups):
+        for raw in pool.idle_buffers():
+            claim(raw, POOLED)
+    out: dict[str, int] = {}
+    for storage, category in _outermost(list(found.values())):
+        out[category] = out.get(category, 0) + storage.nbytes()
     return {k: v for k, v in out.items() if v}
+
+
+def _outermost(claimed: list[tuple[torch.UntypedStorage, str]]) -> list[tuple[torch.UntypedStorage, str]]:
+    """The storages not inside another one's memory: a slice goes with its base, under
+    the base's category (storages nest or are disjoint)."""
+    spans = sorted((_ptr(s), -s.nbytes(), i) for i, (s, _) in enumerate(claimed))
+    inside, reach = set(), 0
+    for start, neg, i in spans:
+        if start and start < reach and start - neg <= reach:
+            inside.add(i)
+        elif start:
+            reach = start - neg
+    return [c for i, c in enumerate(claimed) if i not in inside]
+
+
+def _ptr(storage: torch.UntypedStorage) -> int:
+    try:
+        return storage.data_ptr()
+    except RuntimeError:  # a wrapper subclass's storage holds no memory of its own
+        return 0
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+def _pools(groups: list[Any]) -> list[Any]:
+    """The pools the groups' buckets take their communication buffers from."""
+    return list({id(b.comm.pool): b.comm.pool for g in groups for b in g.buckets}.values())
+
+
 def release_memory(model: nn.Module) -> None:
     """Give back what fsdp2 can rebuild for ``model``: reshard its groups, free the
     unsharded storage (also storage kept by ``set_keep_unsharded_storage``, made anew
-    at the next gather, at new addresses), and drop this rank's idle pooled buffers on
-    the model's devices. The sharded parameters, gradients and optimizer state stay;
-    ``model.cpu()`` moves those, and releases the same.
+    at the next gather, at new addresses), and drop the idle buffers of the pools its
+    groups communicate from (shared by the rank's models: another model allocates again).
+    The sharded parameters, gradients and optimizer state stay.
 
     Between steps only: raises, before anything changes, inside a forward or backward
     and while gradients wait to be reduced (a backward without gradient sync, or one
     whose ``finalize_backward`` has not run)."""
     groups = groups_under(model)
     for group in groups:
-        if group.training_state is not TrainingState.IDLE or (group.ctx is not None and group.ctx.in_backward):
+        ctx = group.ctx
+        if group.training_state is not TrainingState.IDLE or (
+            ctx is not None and (ctx.in_backward or ctx.active_forwards)
+        ):
             raise RuntimeError(
                 f"release_memory(model): {group.name} is inside a forward or backward; call it between steps"
             )
@@ -78,21 +101,14 @@ def release_memory(model: nn.Module) -> None:
                 "without gradient sync, or finalize_backward not called yet); finish the accumulation with "
                 "a synchronized backward, or zero the gradients, before releasing"
             )
-    devices = set()
     for group in groups:
         group.reshard()
         for b in group.buckets:
-            devices.add(b.device)
             b.free_unsharded(even_kept=True)
             b.kept.clear()
-    for dev in devices:
-        pool = this_rank()._pools.get(dev)
-        if pool is not None:
-            pool.drop_idle()
+    for pool in _pools(groups):
+        pool.drop_idle()
 
 
 def _reduce_pending(b: Any) -> bool:
-    r = b.reduce
-    if r.state is not ReduceState.IDLE or r.ready or r._unreplicated is not None:
-        return True
-    return any(p.unsharded is not None and p.unsharded.grad is not None for p in b.params)
+    return b.reduce.is_pending() or any(p.unsharded is not None and p.unsharded.grad is not None for p in b.params)

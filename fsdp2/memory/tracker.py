@@ -51,7 +51,7 @@ CATEGORIES = (
 SPLIT_EVERY = 1.002  # a new split when the live bytes pass the last split's by 0.2%
 
 
-def _key(t: torch.Tensor, meta: bool = False) -> tuple[int, torch.UntypedStorage] | None:
+def storage_key(t: torch.Tensor, meta: bool = False) -> tuple[int, torch.UntypedStorage] | None:
     """(an id of ``t``'s storage while it lives, the storage); a DTensor's is its local
     tensor's; None for subclasses without storage, and for meta tensors unless ``meta``."""
     if isinstance(t, DTensor):
@@ -107,7 +107,7 @@ class MemoryTracker(TorchDispatchMode):
         phase = None
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                found = _key(t, self.meta)
+                found = storage_key(t, self.meta)
                 if found is not None:
                     key, storage = found
                     if key in self._slices:
@@ -127,6 +127,7 @@ class MemoryTracker(TorchDispatchMode):
             if self._within_counted(storage):
                 self._slices[key] = weakref.ref(storage, lambda _, key=key: self._slices.pop(key, None))
                 return
+            self._absorb_slices_of(storage)
             self._refs[key] = weakref.ref(storage, lambda _, key=key: self._died(key))
             self.live[key] = (nbytes, phase)
             self.now += nbytes
@@ -152,6 +153,22 @@ class MemoryTracker(TorchDispatchMode):
         base_start, base_end, key = self._spans[i]
         base = self._refs[key]()
         return base is not None and _data_ptr(base) == base_start and base.nbytes() >= base_end - base_start
+
+    def _absorb_slices_of(self, storage: torch.UntypedStorage) -> None:
+        """Storages counted before ``storage`` (seen first) that lie inside its memory: its
+        slices, counted from now on as part of it."""
+        start, nbytes = _data_ptr(storage), storage.nbytes()
+        if not start or not nbytes:
+            return
+        i = bisect.bisect_left(self._spans, (start, 0, 0))
+        inside = [span for span in self._spans[i:] if span[0] < start + nbytes]
+        for first, end, key in inside:
+            if end > start + nbytes:
+                continue
+            slice_ = self._refs[key]()
+            self._died(key)
+            if slice_ is not None:
+                self._slices[key] = weakref.ref(slice_, lambda _, key=key: self._slices.pop(key, None))
 
     def _forget_span(self, key: int) -> None:
         span = self._span_of.pop(key, None)
@@ -219,12 +236,12 @@ class MemoryTracker(TorchDispatchMode):
 
         def claim(t: Any, category: str) -> None:
             if isinstance(t, torch.Tensor):
-                found = _key(t, self.meta)
+                found = storage_key(t, self.meta)
                 if found is not None:
                     owner.setdefault(found[0], category)
 
         for g in self._groups:
-            _claim_group(g, claim)
+            claim_group(g, claim)
         for root in self.modules:
             for p in root.parameters():
                 claim(p, "sharded parameters")
@@ -235,8 +252,8 @@ class MemoryTracker(TorchDispatchMode):
                     claim(v, "optimizer state")
         from ..comm.rank import this_rank
 
-        for pool in this_rank()._pools.values():
-            for raw in [r for free in pool._free.values() for r in free] + [r for r, _ in pool._in_use.values()]:
+        for pool in this_rank().pools():
+            for raw in pool.idle_buffers() + pool.buffers_in_use():
                 claim(raw, "communication buffers")
         out = dict.fromkeys(CATEGORIES, 0)
         for key, (nbytes, phase) in list(self.live.items()):  # a storage may die meanwhile
@@ -245,7 +262,7 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
 
-def _claim_group(group: Any, claim: Callable[[Any, str], None]) -> None:
+def claim_group(group: Any, claim: Callable[[Any, str], None]) -> None:
     """One fsdp2 group's tensors, by what they hold."""
     for b in group.buckets:
         claim(b.sharded_flat, "sharded parameters")

@@ -199,7 +199,7 @@ class FSDPParam:
         spec = getattr(self.sharded, "_spec", None)
         if spec is None or spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
             return self.to_dtensor(local)
-        return DTensor(local, spec, requires_grad=False)
+        return make_dtensor(local, spec)  # at offset 0 in its wrapper: the gradient saves
 
     def optimizer_alias(self, local: torch.Tensor) -> torch.Tensor:
         """A plain tensor sharing ``local``'s data, stepped by the optimizer in its place
@@ -207,6 +207,10 @@ class FSDPParam:
         if self._alias is None or self._alias[0] is not local:
             self._alias = (local, local.detach())
         return self._alias[1]
+
+    def forget_alias(self) -> None:
+        """Drop the optimizer's alias of the local shard (its storage is being replaced)."""
+        self._alias = None
 
     def set_sharded(self, param: nn.Parameter) -> None:
         """``param`` is this parameter's sharded ``nn.Parameter`` from now on."""

@@ -22,8 +22,9 @@ def rebind(group: ParamGroup) -> None:
         b.rebind()
     join_reduces(group.buckets)  # which buckets reduce alike follows their dtypes
     forget_plans_of(group.buckets)  # they hold the old storage's optimizer state
-    for device in before - {b.device for b in group.buckets}:  # moved off a device: hold nothing there
-        group.comm.local.pool(device).drop_idle()
+    if before != {b.device for b in group.buckets}:  # moved (off the mesh's device): hold nothing there
+        for pool in {id(b.comm.pool): b.comm.pool for b in group.buckets}.values():
+            pool.drop_idle()
 
 
 def adopt_reassigned(group: ParamGroup) -> None:

@@ -97,9 +97,12 @@ def _export(model: nn.Module, dtype: torch.dtype | None, silent: bool) -> Iterat
         with torch.no_grad():
             finish_group(current, dtype)
         for name, fp in named[id(slot)]:
-            value = current.take(fp, dtype)
-            if value is None:  # a subclass sharded by its own ops: DTensor's gather
+            if fp.dispatched:  # a subclass sharded by its own ops: DTensor's gather, on every rank
                 value = _plain(fp.sharded, dtype)
+            elif silent:
+                continue  # nothing to cut out on a rank that yields nothing
+            else:
+                value = current.take(fp, dtype)
             if not silent:
                 yield name, value
             del value

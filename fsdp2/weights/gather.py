@@ -75,10 +75,15 @@ def start_group(buckets: list[FlatBucket], dtype: torch.dtype | None) -> GroupOu
     return GroupOut([_start_bucket(b, dtype) for b in buckets if b.sharded_flat.numel()])
 
 
+def export_dtype(b: FlatBucket, dtype: torch.dtype | None) -> torch.dtype:
+    """What ``b``'s parameters go out as: ``dtype`` for floating-point ones, else their own."""
+    return dtype if dtype is not None and b.dtype.is_floating_point else b.dtype
+
+
 def _start_bucket(b: FlatBucket, dtype: torch.dtype | None) -> BucketOut:
     world = b.comm.shard_size
     src = b.sharded_flat[: b.shard_numel]
-    src = src.to(device=b.device, dtype=dtype or b.dtype)  # a no-op when already so
+    src = src.to(device=b.device, dtype=export_dtype(b, dtype))  # a no-op when already so
     if world == 1:
         return BucketOut(b, src)
     out = torch.empty(world * b.shard_numel, dtype=src.dtype, device=src.device)
@@ -111,7 +116,7 @@ def finish_group(group: GroupOut, dtype: torch.dtype | None) -> None:
 def _cut(p: FSDPParam, b: FlatBucket, blocks: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``p``'s value from its bucket's gathered blocks (a tensor of its own)."""
     if p.is_replicated:  # a 0-dim parameter: every rank holds it whole
-        return b.sharded_flat[p.offset].to(device=b.device, dtype=dtype or b.dtype, copy=True).view(())
+        return b.sharded_flat[p.offset].to(device=b.device, dtype=export_dtype(b, dtype), copy=True).view(())
     region = blocks[:, p.offset : p.offset + p.shard_numel]
     shape = p.layout.shape
     value = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
