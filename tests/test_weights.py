@@ -153,6 +153,17 @@ def _two_dim_tp(rank: int, world: int) -> dict[str, Any]:
     return {"bf16": _compare(model, torch.bfloat16), "f64": _compare(model, None)}
 
 
+def _offloaded(rank: int, world: int) -> dict[str, Any]:
+    """``CPUOffloadPolicy`` as on an accelerator (host shards, gathers on the "device":
+    tests/test_cpu_offload.py's stand-in, with its accelerator path; last in its ranks)."""
+    from test_cpu_offload import force_offload
+
+    force_offload()
+    model = _toy(rank, world, offload_policy=fsdp2.CPUOffloadPolicy(pin_memory=False))
+    offloaded = all(b.offload is not None for g in [model.blocks[0]._get_fsdp_state().group] for b in g.buckets)
+    return {"bf16": _compare(model, torch.bfloat16), "offloaded": offloaded}
+
+
 def _quantized(rank: int, world: int) -> dict[str, Any]:
     policy = fsdp2.MixedPrecisionPolicy(param_dtype=torch.bfloat16, quantize_gather="int8")
     torch.manual_seed(0)
@@ -210,7 +221,7 @@ def _at(world: int) -> dict[str, list]:
         scenarios.update(hsdp=(_hsdp, ()), dp_tp=(_dp_tp, ()), experts=(_experts, ()), two_dim_tp=(_two_dim_tp, ()))
     else:
         scenarios.update(moves=(_moves, ("fsdp2",)), moves_torch=(_moves, ("torch",)), release=(_release, ()),
-                         launcher=(_launcher, ()))
+                         launcher=(_launcher, ()), offloaded=(_offloaded, ()))  # offloaded last: it patches
     return run_scenarios(world, scenarios)
 
 
@@ -255,6 +266,12 @@ def test_full_weights_on_hsdp_tensor_parallel_and_expert_meshes(case: str) -> No
     for out in _at(4)[case]:
         for result in out.values():
             _ok(result, gathers=gathers)
+
+
+def test_full_weights_with_cpu_offload() -> None:
+    for out in _at(2)["offloaded"]:
+        assert out["offloaded"], out
+        _ok(out["bf16"], gathers=4)
 
 
 def test_full_weights_under_the_launcher_for_code_written_against_torchs_names() -> None:

@@ -166,9 +166,11 @@ class MemoryTracker(TorchDispatchMode):
             if end > start + nbytes:
                 continue
             slice_ = self._refs[key]()
+            if slice_ is None or _data_ptr(slice_) != first or slice_.nbytes() != end - first:
+                self._forget_span(key)  # resized without an op since (fsdp2's gathered buffers): stale
+                continue
             self._died(key)
-            if slice_ is not None:
-                self._slices[key] = weakref.ref(slice_, lambda _, key=key: self._slices.pop(key, None))
+            self._slices[key] = weakref.ref(slice_, lambda _, key=key: self._slices.pop(key, None))
 
     def _forget_span(self, key: int) -> None:
         span = self._span_of.pop(key, None)
