@@ -25,15 +25,13 @@ rest on the device (``HostOffload``, ``offload.py``); elsewhere ``offload`` is N
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..comm.mesh import MeshInfo
-from ..params.dtensor import contiguous_stride
+from ..params.dtensor import own_storage_view
 from ..params.param import FSDPParam
 from .commit import GradCommit
 from .extension import ExtensionGather
@@ -380,29 +378,6 @@ class KeptCopy:
         for p in b.params:
             version += p.sharded._version + p.sharded._local_tensor._version  # type: ignore[union-attr]
         return version
-
-
-def own_storage_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """A contiguous ``shape`` tensor over ``flat``'s elements from ``offset`` on, whose
-    storage is a slice of ``flat``'s (it keeps ``flat``'s alive) and starts at its data.
-
-    As torch's own sharded parameters, the local tensor sits at storage offset 0: a
-    DTensor built over it by torch's ops (``p.detach()``, ``p.data``, a view) then has
-    offset 0 too, which ``torch.save`` and ``copy.deepcopy`` need of a wrapper. A plain
-    view where there is no data (meta and fake tensors: the planner's dry runs) and in
-    pinned host memory (offloaded shards): the host allocator records a ``non_blocking``
-    copy's event only on a tensor whose storage is its own allocation, and would reuse
-    the memory under a copy still reading it. Made outside any dispatch mode, so memory
-    trackers count ``flat`` alone.
-    """
-    numel = math.prod(shape)
-    if flat.untyped_storage().device.type == "meta" or flat.is_pinned():
-        return flat[offset : offset + numel].view(shape)
-    size = flat.element_size()
-    start = (flat.storage_offset() + offset) * size
-    with _disable_current_modes():
-        piece = flat.untyped_storage()[start : start + numel * size]
-        return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(piece, 0, shape, contiguous_stride(shape))
 
 
 def _storage_refs(t: torch.Tensor) -> int | None:

@@ -1,6 +1,7 @@
 """The DTensors of one parameter: the spec of a shard wherever its tensor lives, a
-wrapper over a view of a flat buffer, and the mesh and placements a shard lives on
-(data-parallel dims composed with tensor parallel, or a full SPMD mesh)."""
+shard's local tensor over its rows of a flat buffer (``own_storage_view``), a wrapper
+over it, and the mesh and placements a shard lives on (data-parallel dims composed with
+tensor parallel, or a full SPMD mesh)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..comm.mesh import SpmdDims
 
@@ -49,6 +51,29 @@ def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) ->
     out._spec = spec
     out._local_tensor = local
     return out
+
+
+def own_storage_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous ``shape`` tensor over ``flat``'s elements from ``offset`` on, whose
+    storage is a slice of ``flat``'s (it keeps ``flat``'s alive) and starts at its data.
+
+    As torch's own sharded parameters, the local tensor sits at storage offset 0: a
+    DTensor built over it by torch's ops (``p.detach()``, ``p.data``, a view) then has
+    offset 0 too, which ``torch.save`` and ``copy.deepcopy`` need of a wrapper. A plain
+    view where there is no data (meta and fake tensors: the planner's dry runs) and in
+    pinned host memory (offloaded shards): the host allocator records a ``non_blocking``
+    copy's event only on a tensor whose storage is its own allocation, and would reuse
+    the memory under a copy still reading it. Made outside any dispatch mode, so memory
+    trackers count ``flat`` alone.
+    """
+    numel = math.prod(shape)
+    if flat.untyped_storage().device.type == "meta" or flat.is_pinned():
+        return flat[offset : offset + numel].view(shape)
+    size = flat.element_size()
+    start = (flat.storage_offset() + offset) * size
+    with _disable_current_modes():
+        piece = flat.untyped_storage()[start : start + numel * size]
+        return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(piece, 0, shape, contiguous_stride(shape))
 
 
 def make_parameter(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
