@@ -11,7 +11,7 @@ from torch import nn
 
 from .._module import groups_under
 from ..runtime.group_setup import TrainingState
-from .tracker import claim_group, storage_key
+from .tracker import claim_group, storage_data_ptr, storage_key
 
 POOLED = "pooled buffers"  # this rank's idle communication buffers, shared by its models
 
@@ -50,7 +50,7 @@ def held_bytes(model: nn.Module, device: torch.device | str | None = None) -> di
 def _outermost(claimed: list[tuple[torch.UntypedStorage, str]]) -> list[tuple[torch.UntypedStorage, str]]:
     """The storages not inside another one's memory: a slice goes with its base, under
     the base's category (storages nest or are disjoint)."""
-    spans = sorted((_ptr(s), -s.nbytes(), i) for i, (s, _) in enumerate(claimed))
+    spans = sorted((storage_data_ptr(s), -s.nbytes(), i) for i, (s, _) in enumerate(claimed))
     inside, reach = set(), 0
     for start, neg, i in spans:
         if start and start < reach and start - neg <= reach:
@@ -58,13 +58,6 @@ def _outermost(claimed: list[tuple[torch.UntypedStorage, str]]) -> list[tuple[to
         elif start:
             reach = start - neg
     return [c for i, c in enumerate(claimed) if i not in inside]
-
-
-def _ptr(storage: torch.UntypedStorage) -> int:
-    try:
-        return storage.data_ptr()
-    except RuntimeError:  # a wrapper subclass's storage holds no memory of its own
-        return 0
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -65,7 +65,7 @@ def storage_key(t: torch.Tensor, meta: bool = False) -> tuple[int, torch.Untyped
     return storage._cdata, storage
 
 
-def _data_ptr(storage: torch.UntypedStorage) -> int:
+def storage_data_ptr(storage: torch.UntypedStorage) -> int:
     """Where ``storage``'s bytes start; 0 for a wrapper subclass's storage, which has none."""
     try:
         return storage.data_ptr()
@@ -135,7 +135,7 @@ class MemoryTracker(TorchDispatchMode):
             self.live[key] = (nbytes, old[1])
             self.now += nbytes - old[0]
             self._forget_span(key)
-        start = _data_ptr(storage)
+        start = storage_data_ptr(storage)
         if nbytes and start:
             span = (start, start + nbytes, key)
             self._span_of[key] = span
@@ -144,7 +144,7 @@ class MemoryTracker(TorchDispatchMode):
     def _within_counted(self, storage: torch.UntypedStorage) -> bool:
         """``storage``'s bytes lie inside a counted storage's (a slice of it), which
         still holds them (not one resized since, without an op)."""
-        start, nbytes = _data_ptr(storage), storage.nbytes()
+        start, nbytes = storage_data_ptr(storage), storage.nbytes()
         if not start or not nbytes:
             return False
         i = bisect.bisect_right(self._spans, (start, float("inf"), 0)) - 1
@@ -152,21 +152,22 @@ class MemoryTracker(TorchDispatchMode):
             return False
         base_start, base_end, key = self._spans[i]
         base = self._refs[key]()
-        return base is not None and _data_ptr(base) == base_start and base.nbytes() >= base_end - base_start
+        return base is not None and storage_data_ptr(base) == base_start and base.nbytes() >= base_end - base_start
 
     def _absorb_slices_of(self, storage: torch.UntypedStorage) -> None:
         """Storages counted before ``storage`` (seen first) that lie inside its memory: its
         slices, counted from now on as part of it."""
-        start, nbytes = _data_ptr(storage), storage.nbytes()
+        start, nbytes = storage_data_ptr(storage), storage.nbytes()
         if not start or not nbytes:
             return
-        i = bisect.bisect_left(self._spans, (start, 0, 0))
-        inside = [span for span in self._spans[i:] if span[0] < start + nbytes]
-        for first, end, key in inside:
+        i = j = bisect.bisect_left(self._spans, (start, 0, 0))
+        while j < len(self._spans) and self._spans[j][0] < start + nbytes:
+            j += 1
+        for first, end, key in self._spans[i:j]:
             if end > start + nbytes:
                 continue
             slice_ = self._refs[key]()
-            if slice_ is None or _data_ptr(slice_) != first or slice_.nbytes() != end - first:
+            if slice_ is None or storage_data_ptr(slice_) != first or slice_.nbytes() != end - first:
                 self._forget_span(key)  # resized without an op since (fsdp2's gathered buffers): stale
                 continue
             self._died(key)
