@@ -58,8 +58,10 @@ def _compare(model: torch.nn.Module, dtype: torch.dtype | None, **kwargs: Any) -
     got, gathers, most = _export(model, dtype=dtype, **kwargs)
     names = [n for n, _ in got]
     bad = [n for n, v in got if not (v.dtype == want[n].dtype and v.shape == want[n].shape and torch.equal(v, want[n]))]
-    unique = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    return {"names": sorted(names) == sorted(unique) and len(names) == len(set(names)), "bad": bad,
+    firsts: dict[int, str] = {}  # the state dict's names, a tied tensor under its first
+    for name, t in model.state_dict(keep_vars=True).items():
+        firsts.setdefault(id(t), name)
+    return {"names": sorted(names) == sorted(firsts.values()) and len(names) == len(set(names)), "bad": bad,
             "gathers": gathers, "most_alive": most, "count": len(got)}
 
 
@@ -124,6 +126,22 @@ def _one_d(rank: int, world: int) -> dict[str, Any]:
             out[f"bad {bad}"] = "accepted"
         except TypeError as e:
             out[f"bad {bad}"] = str(e)
+    return out
+
+
+def _wrapped(rank: int, world: int) -> dict[str, Any]:
+    """Blocks inside activation checkpoint wrappers (torchtitan's order): the state dict's
+    names, without the wrappers' prefix."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = ToyModel().double()
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+        fsdp2.fully_shard(model.blocks[i])
+    fsdp2.fully_shard(model)
+    out = _compare(model, torch.bfloat16)
+    out["prefix_free"] = not any("_checkpoint_wrapped_module" in n for n, _ in fsdp2.full_weights(model))
     return out
 
 
@@ -216,7 +234,8 @@ def _launcher(rank: int, world: int) -> dict[str, Any]:
 
 @cached_outcome
 def _at(world: int) -> dict[str, list]:
-    scenarios: dict[str, tuple] = {"one_d": (_one_d, ()), "quantized": (_quantized, ()), "integer": (_integer, ())}
+    scenarios: dict[str, tuple] = {"one_d": (_one_d, ()), "quantized": (_quantized, ()), "integer": (_integer, ()),
+                                   "wrapped": (_wrapped, ())}
     if world == 4:
         scenarios.update(hsdp=(_hsdp, ()), dp_tp=(_dp_tp, ()), experts=(_experts, ()), two_dim_tp=(_two_dim_tp, ()))
     else:
@@ -242,6 +261,13 @@ def test_full_weights_equal_the_per_parameter_loop_in_one_gather_per_group(world
         assert out["rank0_only"]["count"] == (out["f64"]["count"] if rank == 0 else 0), out
         assert "floating-point torch.dtype" in out["bad torch.int64"] and "'bf16'" in out["bad bf16"], out
         assert 0 < out["memory"]["peak"] <= out["memory"]["bound"], out["memory"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_full_weights_name_tensors_as_the_state_dict_does(world: int) -> None:
+    for out in _at(world)["wrapped"]:
+        assert out["prefix_free"], out
+        _ok(out, gathers=4)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._module import groups_under
-from ..params.param import FSDPParam, sharded_owner, unsharded_owner
+from ..params.param import FSDPParam
 from ..runtime.group_setup import TrainingState
 from .gather import GroupOut, finish_group, start_group
 
@@ -52,12 +52,23 @@ def full_weights(
 
 
 def _slots(model: nn.Module) -> tuple[list[Any], dict[int, list[tuple[str, FSDPParam]]]]:
-    """What to export in order: a group (at its first parameter) or ``(name, tensor)``;
-    and each group's ``(name, FSDPParam)`` pairs."""
+    """What to export, in ``state_dict()`` order and under its names (activation
+    checkpoint wrappers' prefixes and all): a group (at its first parameter) or
+    ``(name, tensor)``; and each group's ``(name, FSDPParam)`` pairs, a tied parameter once."""
+    owners: dict[int, FSDPParam] = {}
+    for group in groups_under(model):
+        for fp in group.params:
+            for t in (fp.sharded, fp.unsharded, getattr(fp.sharded, "_local_tensor", None)):
+                if t is not None:
+                    owners[id(t)] = fp
     slots: list[Any] = []
     named: dict[int, list[tuple[str, FSDPParam]]] = {}
-    for name, t in model.named_parameters():
-        fp = sharded_owner(t) or unsharded_owner(t)
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        fp = owners.get(id(t)) or owners.get(id(getattr(t, "_local_tensor", None)))
+        if id(fp if fp is not None else t) in seen:
+            continue  # tied: once, under its first name
+        seen.add(id(fp if fp is not None else t))
         group = fp.group() if fp is not None else None
         if group is None:
             slots.append((name, t))
@@ -66,10 +77,6 @@ def _slots(model: nn.Module) -> tuple[list[Any], dict[int, list[tuple[str, FSDPP
             named[id(group)] = []
             slots.append(group)
         named[id(group)].append((name, fp))  # type: ignore[arg-type]
-    for module_name, module in model.named_modules():
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                slots.append((f"{module_name}.{name}" if module_name else name, buf))
     return slots, named
 
 
