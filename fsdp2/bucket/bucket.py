@@ -380,6 +380,11 @@ class KeptCopy:
         return version
 
 
+def comm_pools(buckets: list[FlatBucket]) -> list[Any]:
+    """The pools ``buckets`` take their communication buffers from, each once."""
+    return list({id(b.comm.pool): b.comm.pool for b in buckets}.values())
+
+
 def _storage_refs(t: torch.Tensor) -> int | None:
     """How many tensors (and storage handles) share ``t``'s storage; None if this build of
     torch cannot tell (the private counter torch's CUDA-graph trees also use)."""

@@ -66,7 +66,7 @@ class BufferPool:
 
     def idle_bytes(self) -> int:
         """Bytes held by idle buffers (what the pool costs between steps)."""
-        return sum(raw.numel() for free in self._free.values() for raw in free)
+        return sum(raw.numel() for raw in self.idle_buffers())
 
     def idle_buffers(self) -> list[torch.Tensor]:
         """The idle byte buffers, every device."""

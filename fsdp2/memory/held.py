@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .._module import groups_under
+from ..bucket.bucket import comm_pools
 from ..runtime.group_setup import TrainingState
 from .tracker import claim_group, storage_data_ptr, storage_key
 
@@ -38,7 +39,7 @@ def held_bytes(model: nn.Module, device: torch.device | str | None = None) -> di
             if p.sharded is not None:
                 claim(p.sharded.grad, "gradients")
         claim_group(group, claim)
-    for pool in _pools(groups):
+    for pool in comm_pools([b for g in groups for b in g.buckets]):
         for raw in pool.idle_buffers():
             claim(raw, POOLED)
     out: dict[str, int] = {}
@@ -62,11 +63,6 @@ def _outermost(claimed: list[tuple[torch.UntypedStorage, str]]) -> list[tuple[to
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _pools(groups: list[Any]) -> list[Any]:
-    """The pools the groups' buckets take their communication buffers from."""
-    return list({id(b.comm.pool): b.comm.pool for g in groups for b in g.buckets}.values())
 
 
 def release_memory(model: nn.Module) -> None:
@@ -99,7 +95,7 @@ def release_memory(model: nn.Module) -> None:
         for b in group.buckets:
             b.free_unsharded(even_kept=True)
             b.kept.clear()
-    for pool in _pools(groups):
+    for pool in comm_pools([b for g in groups for b in g.buckets]):
         pool.drop_idle()
 
 

@@ -4,6 +4,7 @@ parameters reassigned since or given all-gather hooks since."""
 
 from __future__ import annotations
 
+from ..bucket.bucket import comm_pools
 from ..optim.local_step import forget_plans_of
 from .group import ParamGroup
 from .group_setup import adoptable_replacements, join_reduces, rebucket
@@ -23,7 +24,7 @@ def rebind(group: ParamGroup) -> None:
     join_reduces(group.buckets)  # which buckets reduce alike follows their dtypes
     forget_plans_of(group.buckets)  # they hold the old storage's optimizer state
     if before != {b.device for b in group.buckets}:  # moved (off the mesh's device): hold nothing there
-        for pool in {id(b.comm.pool): b.comm.pool for b in group.buckets}.values():
+        for pool in comm_pools(group.buckets):
             pool.drop_idle()
 
 

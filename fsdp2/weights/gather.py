@@ -137,13 +137,12 @@ def _cut(p: FSDPParam, b: FlatBucket, blocks: torch.Tensor, dtype: torch.dtype |
 def _gather_model_parallel(group: GroupOut, params: list[FSDPParam]) -> None:
     """Gather every parameter on a tensor-parallel (or expert) mesh over its sharded mesh
     dims, the last first, batching the parameters that share a dim's process group."""
-    staged = [p for p in params if p.tp is not None]
-    if not staged:
-        return
-    plain = [p for p in staged if all(isinstance(pl, Replicate) or type(pl) is Shard for pl in p.tp[1])]
-    for p in staged:  # other placements (strided shards): DTensor's own redistribution
-        if p not in plain:
-            mesh, placements = p.tp
+    plain = []
+    for p in params:  # each on a model-parallel mesh (``p.tp``)
+        mesh, placements = p.tp  # type: ignore[misc]
+        if all(isinstance(pl, Replicate) or type(pl) is Shard for pl in placements):
+            plain.append(p)
+        else:  # other placements (strided shards): DTensor's own redistribution
             local = DTensor.from_local(group.values[id(p)], mesh, placements, run_check=False,
                                        shape=p.shape, stride=p.stride)
             group.values[id(p)] = local.full_tensor()
