@@ -3,6 +3,7 @@ sharded models frees everything, and two identical runs are bitwise equal."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import weakref
@@ -15,10 +16,23 @@ from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        import os
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
+
+def _heap_mb() -> float:
+    """MB the process's C heap has handed out and not taken back (glibc's ``mallinfo2``:
+    every arena's chunks in use and the mmap-ed ones), tensors' storage included. Exact,
+    unlike the resident size: a leak that the heap's free chunks absorb grows no page,
+    and a page the allocator keeps after a free is no leak. The resident size where the
+    C library is not glibc."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _Mallinfo2
+        info = libc.mallinfo2()
+        return (info.uordblks + info.hblkhd) / 2**20
+    with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
@@ -40,11 +54,12 @@ def _train(model: ToyModel, opt: torch.optim.Optimizer, steps: int, rank: int, w
 
 
 # The long run: warm-up steps, then the measured steps. torch's flight recorder keeps the
-# last TORCH_FR_BUFFER_SIZE collectives of the process (2000 by default: ~2.5 MB of
-# resident memory, full after ~200-300 steps here, which the 1,000 measured steps this
-# run had before absorbed); the 2-rank spawn keeps 16, full within the first step. Then
-# 300 measured steps grow 0.1-0.35 MB; with a leak of one list a step the count is 300,
-# of 4 KB a step the growth 1.3 MB (both fail below).
+# last TORCH_FR_BUFFER_SIZE collectives of the process (2000 by default: ~2.5 MB, full
+# after ~200-300 steps here); the 2-rank spawn keeps 16, full within the first step.
+# Then 300 measured steps grow the heap by 0.01-0.03 MB; with a leak of one list a step
+# the object count is 300, with 4 KB of C memory a step the heap grows 1.2 MB (both
+# fail below; the resident size grew 0.05 MB with that leak: the heap's free chunks
+# took it).
 WARM_UP, MEASURED = 50, 300
 FLIGHT_RECORDER_ENTRIES = "16"
 
@@ -53,10 +68,10 @@ def _long_run(rank: int, world: int) -> dict:
     model, opt = _build()
     _train(model, opt, WARM_UP, rank, world)
     gc.collect()
-    objects, rss = len(gc.get_objects()), _rss_mb()
+    objects, heap = len(gc.get_objects()), _heap_mb()
     _train(model, opt, MEASURED, rank, world, start=WARM_UP)
     gc.collect()
-    return {"objects": len(gc.get_objects()) - objects, "rss_mb": _rss_mb() - rss}
+    return {"objects": len(gc.get_objects()) - objects, "heap_mb": _heap_mb() - heap}
 
 
 def test_long_run_keeps_objects_and_memory_flat() -> None:
@@ -64,9 +79,8 @@ def test_long_run_keeps_objects_and_memory_flat() -> None:
         # A leak of one object a step would show ~MEASURED (300); a few may be in flight at
         # the count when another test file runs beside this one (pytest-xdist).
         assert out["objects"] < 50, out
-        # A steady growth of 4 KB a step or more: 4 MB over the 1000 steps this run had
-        # before, the same rate over MEASURED steps.
-        assert out["rss_mb"] < 4.0 * MEASURED / 1000, out
+        # A steady growth of 1.4 KB a step or more (a quarter of one 4 KB leak's 1.2 MB).
+        assert out["heap_mb"] < 0.3, out
 
 
 def _build_teardown(rank: int, world: int) -> dict:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = (
@@ -71,6 +71,17 @@ def storage_data_ptr(storage: torch.UntypedStorage) -> int:
         return storage.data_ptr()
     except RuntimeError:
         return 0
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Give ``t``'s memory back now, whatever else still references its storage (a
+    backend's worker thread drops a finished collective's tensors a moment after
+    ``wait()`` returns); a running ``MemoryTracker`` sees the free."""
+    storage = t.untyped_storage()
+    storage.resize_(0)
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, MemoryTracker):
+            mode.resized(storage)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -186,6 +197,12 @@ class MemoryTracker(TorchDispatchMode):
         if entry is not None:
             self.now -= entry[0]
             self._forget_span(key)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was resized without an op: count its new size."""
+        entry = self.live.get(storage._cdata)
+        if entry is not None and entry[0] != storage.nbytes():
+            self._count(storage._cdata, storage, entry[1])
 
     def _recheck_gathered(self) -> None:
         """fsdp2 resizes its gathered buffers' storage without an op: re-read them."""

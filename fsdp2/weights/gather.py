@@ -21,21 +21,29 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..bucket.bucket import FlatBucket
 from ..comm.collectives import Pending, all_gather_flat, wait_pending
+from ..memory.tracker import free_storage
 from ..params.param import FSDPParam
 
 
 @dataclass
 class BucketOut:
-    """One bucket's all-gather in flight: its output (``W x S``, rank-major)."""
+    """One bucket's all-gather in flight: its output (``W x S``, rank-major), whether the
+    export made it (freed when done, else it is the bucket's own shard), and the cast
+    shard it sends (freed after the wait)."""
 
     bucket: FlatBucket
     out: torch.Tensor
+    owned: bool
     pending: Pending | None = None
+    send: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self.pending is not None:
             wait_pending(self.pending)
             self.pending = None
+        if self.send is not None:
+            free_storage(self.send)
+            self.send = None
         return self.out
 
 
@@ -66,8 +74,10 @@ class GroupOut:
 
     def _done_with(self, bo: BucketOut) -> None:
         self._left[id(bo)] -= 1
-        if not self._left[id(bo)]:
-            bo.out = bo.out.new_empty(0)  # its blocks are all cut out
+        if not self._left[id(bo)]:  # its blocks are all cut out
+            if bo.owned:
+                free_storage(bo.out)
+            bo.out = bo.out.new_empty(0)
 
 
 def start_group(buckets: list[FlatBucket], dtype: torch.dtype | None) -> GroupOut:
@@ -82,12 +92,14 @@ def export_dtype(b: FlatBucket, dtype: torch.dtype | None) -> torch.dtype:
 
 def _start_bucket(b: FlatBucket, dtype: torch.dtype | None) -> BucketOut:
     world = b.comm.shard_size
-    src = b.sharded_flat[: b.shard_numel]
-    src = src.to(device=b.device, dtype=export_dtype(b, dtype))  # a no-op when already so
+    flat = b.sharded_flat[: b.shard_numel]
+    src = flat.to(device=b.device, dtype=export_dtype(b, dtype))  # ``flat`` itself when already so
+    fresh = src is not flat
     if world == 1:
-        return BucketOut(b, src)
+        return BucketOut(b, src, owned=fresh)
     out = torch.empty(world * b.shard_numel, dtype=src.dtype, device=src.device)
-    return BucketOut(b, out, all_gather_flat(src, out, b.comm.shard_group, f"{b.name}: full_weights"))
+    pending = all_gather_flat(src, out, b.comm.shard_group, f"{b.name}: full_weights")
+    return BucketOut(b, out, owned=True, pending=pending, send=src if fresh else None)
 
 
 def finish_group(group: GroupOut, dtype: torch.dtype | None) -> None:
@@ -195,7 +207,7 @@ def _gather_dim(values: dict[int, torch.Tensor], batch: list[tuple[FSDPParam, in
     del pieces
     out = send.new_empty(world * send.numel())
     wait_pending(all_gather_flat(send, out, pg, "full_weights: a model-parallel dim"))
-    del send
+    free_storage(send)
     rows = out.view(world, -1)
     offset = 0
     for (p, d, n), (chunk, rest, slice_numel) in zip(batch, layouts):
@@ -206,3 +218,4 @@ def _gather_dim(values: dict[int, torch.Tensor], batch: list[tuple[FSDPParam, in
             parts.append(rows[r, offset : offset + length * slice_numel].view(length, *rest))
         values[id(p)] = torch.cat(parts).movedim(0, d).contiguous()
         offset += numel
+    free_storage(out)
