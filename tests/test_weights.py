@@ -109,10 +109,30 @@ def _peak(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
     return {"peak": tracker.peak - base, "bound": max(pairs) + 2 * largest}
 
 
+def _peak_while_the_backend_holds(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """``_peak`` with a communication backend that keeps every collective's tensors until
+    the export ends (gloo's worker thread drops a finished one a moment after ``wait()``,
+    under load later): the export frees them itself, the peak does not depend on it."""
+    from fsdp2.weights import gather
+
+    held = []
+    original = gather.all_gather_flat
+
+    def holding(shard: torch.Tensor, output: torch.Tensor, *args: Any) -> Any:
+        held.append((shard, output))
+        return original(shard, output, *args)
+
+    with mock.patch.object(gather, "all_gather_flat", holding):
+        out = _peak(model, dtype)
+    out["held"] = len(held)
+    return out
+
+
 def _one_d(rank: int, world: int) -> dict[str, Any]:
     model = _toy(rank, world, dim1=True)
     out = {"f64": _compare(model, None), "bf16": _compare(model, torch.bfloat16)}
     out["memory"] = _peak(model, torch.bfloat16)
+    out["memory_backend_holds"] = _peak_while_the_backend_holds(model, torch.bfloat16)
     got, gathers, _ = _export(model, dtype=torch.bfloat16, rank0_only=True)
     out["rank0_only"] = {"count": len(got), "gathers": gathers}
     model(batch(1, 2 * world)[0].chunk(world)[rank])  # the root stays unsharded after its forward
@@ -261,6 +281,8 @@ def test_full_weights_equal_the_per_parameter_loop_in_one_gather_per_group(world
         assert out["rank0_only"]["count"] == (out["f64"]["count"] if rank == 0 else 0), out
         assert "floating-point torch.dtype" in out["bad torch.int64"] and "'bf16'" in out["bad bf16"], out
         assert 0 < out["memory"]["peak"] <= out["memory"]["bound"], out["memory"]
+        held = out["memory_backend_holds"]
+        assert held["held"] == 4 and 0 < held["peak"] <= held["bound"], held
 
 
 @pytest.mark.parametrize("world", [2, 4])
