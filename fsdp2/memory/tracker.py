@@ -27,8 +27,8 @@ the last split's (a split walks the models' tensors), so it describes a moment w
 0.2% of the peak and may sum to slightly less than it. A storage over memory another
 live storage already holds (a slice of it: fsdp2's shards over their flat buffer) is
 not counted again. Storages resized without an op
-other than fsdp2's gathered buffers (an all-gather extension's outputs) keep the size
-they had when last seen, and frees on another thread (gloo's, in a ``--measure`` run on
+other than fsdp2's gathered buffers and those freed by ``free_storage`` (an all-gather
+extension's outputs) keep the size they had when last seen, and frees on another thread (gloo's, in a ``--measure`` run on
 3+ ranks) are counted without a lock.
 """
 
