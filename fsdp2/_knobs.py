@@ -22,7 +22,7 @@ class CommKnobs:
     _fsdp2_state: Any
     _target_groups: Callable[[bool], list[Any]]  # FSDPModule's: this group, or all below with recurse
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream: Any = None) -> None:
         """Call ``hook(reduce_output)`` on this module's reduced gradients: after the
         reduce-scatter (1D mesh) or after the all-reduce over the replicas (HSDP), before
         they are written to ``.grad``. ``reduce_output`` is this rank's reduced row in the
@@ -32,9 +32,9 @@ class CommKnobs:
         hook gives the same result either way). With a hook, parameters no rank used get
         zero gradients (as with torch) rather than None. ``stream``: accepted on
         accelerators without native HSDP (fsdp2 runs the hook on the current stream);
-        must be None on CPU. Set it before training starts."""
-        if not callable(hook):
-            raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        must be None on CPU. ``None`` removes the hook. Set it before training starts."""
+        if hook is not None and not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable (or None: no hook), got {type(hook).__name__}")
         group = self._fsdp2_state.group
         _check_one_mesh("set_all_reduce_hook", group, "hook")
         mesh = group.meshes[0]  # the one its parameters use (maybe not the call's own)
@@ -84,16 +84,16 @@ class CommKnobs:
         parameters either way (as zeros with a zero "used" flag), so every rank issues the
         same collectives whatever its control flow, which is what torch needs this knob
         for; here it only decides ``None`` or zeros."""
-        check_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
+        zero_unused = check_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
         for g in self._target_groups(recurse):
-            g.user_comm.zero_unused = reduce_scatter_unused_params
+            g.user_comm.zero_unused = zero_unused
 
-    def set_post_optim_event(self, event: Any) -> None:
+    def set_post_optim_event(self, event: Any | None) -> None:
         """An event recorded after the optimizer step for the all-gather streams to wait
         on. fsdp2 issues its all-gathers on the current stream, after the step in stream
         order, so there is nothing to wait for: checked and dropped."""
-        if not isinstance(event, (torch.Event, *_cuda_event_types())):
-            raise TypeError(f"set_post_optim_event expects a torch.Event, got {type(event).__name__}")
+        if event is not None and not isinstance(event, (torch.Event, *_cuda_event_types())):
+            raise TypeError(f"set_post_optim_event expects a torch.Event (or None), got {type(event).__name__}")
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many reduce inputs may be in flight at once. fsdp2 takes them from one pool
@@ -113,7 +113,7 @@ class CommKnobs:
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Symmetric-memory staging buffers for NCCL's all-gather. fsdp2 gathers from its
         own pooled buffers; checked (only ``"NCCL"``), changes nothing."""
-        if backend != "NCCL":
+        if not isinstance(backend, str) or backend.upper() != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
@@ -122,9 +122,17 @@ class CommKnobs:
         check_bool("set_allocate_memory_from_process_group_for_comm", enable)
 
 
-def check_bool(method: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{method} expects a bool, got {type(value).__name__} {value!r}")
+def check_bool(method: str, value: Any) -> bool:
+    """``value`` as a bool: a bool, or what torch's setters take for one by its truth value
+    and means it unambiguously (the ints 0 and 1, a NumPy bool). ``None``, strings and
+    other numbers are refused: torch would read ``None`` as False and ``"no"`` as True."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{method} expects a bool (or 0/1), got {type(value).__name__} {value!r}")
 
 
 def _check_one_mesh(method: str, group: Any, what: str) -> None:  # group: _group.ParamGroup

@@ -5,8 +5,10 @@ division), ``UnshardHandle``, ``register_fsdp_forward_method`` and ``share_comm_
 from __future__ import annotations
 
 import functools
+import numbers
 import sys
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -64,8 +66,7 @@ class FSDPModule(CommKnobs):
         directly, and the gradients it computes on them are reduced at the end of that
         backward. Called during a forward (to prefetch), the module's forward and
         backward free and reduce as usual."""
-        if not isinstance(async_op, bool):
-            raise TypeError(f"unshard(async_op=...) expects a bool, got {type(async_op).__name__}")
+        async_op = check_bool("unshard(async_op=...)", async_op)
         group = self._fsdp2_state.group
         ctx = group.ctx  # None before the first forward (which makes the root)
         group.unshard()
@@ -103,14 +104,11 @@ class FSDPModule(CommKnobs):
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step. When ``False``,
         its reduce-scatters stay in flight and finish at the next last backward."""
-        check_bool("set_is_last_backward", is_last_backward)
+        is_last_backward = check_bool("set_is_last_backward", is_last_backward)
         group = self._fsdp2_state.group
-        if group.ctx is not None and group.ctx.root is not group:
-            raise RuntimeError(
-                "set_is_last_backward must be called on the root module (the outermost module "
-                f"fully_shard was applied to), not on {type(self).__name__}"
-            )
-        group.is_last_backward = is_last_backward
+        # After the first forward any module of the model may say it (torch's state is
+        # shared by the root's modules): it is the root's.
+        (group.ctx.root if group.ctx is not None else group).is_last_backward = is_last_backward
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """On the root module: ``True`` makes the caller finalize backward. Groups still
@@ -122,7 +120,7 @@ class FSDPModule(CommKnobs):
         ``set_reshard_after_backward``), waits and writes ``.grad``. Supersedes
         ``set_is_last_backward``. Takes effect from the next backward; changing it during
         backward or between a backward and its finalize raises."""
-        check_bool("set_manual_backward_finalization", enabled)
+        enabled = check_bool("set_manual_backward_finalization", enabled)
         group = self._fsdp2_state.group
         ctx = group.ctx
         if ctx is not None and ctx.root is not group:
@@ -147,7 +145,7 @@ class FSDPModule(CommKnobs):
         ``GradientReductionHandle`` whose ``wait()`` does the last part; call it before
         the next forward, finalize, or any use of the gradients. A no-op before the
         root's first forward; on the root module only."""
-        check_bool("finalize_backward(async_op=...)", async_op)
+        async_op = check_bool("finalize_backward(async_op=...)", async_op)
         group = self._fsdp2_state.group
         ctx = group.ctx
         if ctx is None:
@@ -162,7 +160,7 @@ class FSDPModule(CommKnobs):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False`` accumulates unsharded gradients locally without communication
         (gradient accumulation); the next backward with ``True`` reduces the sum."""
-        check_bool("set_requires_gradient_sync", requires_gradient_sync)
+        requires_gradient_sync = check_bool("set_requires_gradient_sync", requires_gradient_sync)
         for g in self._target_groups(recurse):
             g.requires_gradient_sync = requires_gradient_sync
 
@@ -171,17 +169,23 @@ class FSDPModule(CommKnobs):
         all-reduce them over the replicas; the sums wait, and the next backward with
         ``True`` all-reduces them together (gradient accumulation with less traffic).
         Nothing to do on a 1D mesh."""
-        check_bool("set_requires_all_reduce", requires_all_reduce)
+        requires_all_reduce = check_bool("set_requires_all_reduce", requires_all_reduce)
         for g in self._target_groups(recurse):
             g.requires_all_reduce = requires_all_reduce
 
-    def set_gradient_divide_factor(self, factor: float) -> None:
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of its mesh's size
-        (each mesh's with per-parameter meshes). Only this module's, as torch's: call it
-        on every ``FSDPModule`` (``for m in model.modules()``) to change them all."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
-        self._fsdp2_state.group.gradient_divide_factor = float(factor)
+        (each mesh's with per-parameter meshes); ``None`` goes back to that default. Only
+        this module's, as torch's: call it on every ``FSDPModule`` (``for m in
+        model.modules()``) to change them all."""
+        if factor is not None:
+            value = float(factor) if _is_real_number(factor) else None
+            if value is None or not value > 0:
+                raise ValueError(
+                    f"set_gradient_divide_factor expects a positive number (or None: the mesh size), got {factor!r}"
+                )
+            factor = value
+        self._fsdp2_state.group.gradient_divide_factor = factor
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Older name of ``set_gradient_divide_factor``."""
@@ -203,7 +207,7 @@ class FSDPModule(CommKnobs):
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps parameters unsharded after backward (saves the next forward's
         all-gather during gradient accumulation, at the cost of memory)."""
-        check_bool("set_reshard_after_backward", reshard_after_backward)
+        reshard_after_backward = check_bool("set_reshard_after_backward", reshard_after_backward)
         for g in self._target_groups(recurse):
             g.reshard_after_backward = reshard_after_backward
 
@@ -214,7 +218,7 @@ class FSDPModule(CommKnobs):
         parameters. ``False`` (the default) frees it at each reshard, and frees now what
         a resharded group kept. (Parameters with an all-gather extension gather into
         their own tensors: those are not kept.)"""
-        check_bool("set_keep_unsharded_storage", keep)
+        keep = check_bool("set_keep_unsharded_storage", keep)
         for g in self._target_groups(recurse):
             g.user_comm.keep_unsharded_storage = keep
             if not keep and g.shard_state in (ShardState.SHARDED, ShardState.PARTIAL):
@@ -225,7 +229,7 @@ class FSDPModule(CommKnobs):
         """``False``: this module's parameters are not all-gathered for backward, for
         modules whose backward does not read them (e.g. an embedding: its weight's
         gradient needs only the indices). Gradients are reduced as usual."""
-        check_bool("set_unshard_in_backward", unshard_in_backward)
+        unshard_in_backward = check_bool("set_unshard_in_backward", unshard_in_backward)
         self._fsdp2_state.group.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -306,13 +310,13 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not hasattr(module, method_name):
         raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
     state = module._fsdp2_state
-    original = getattr(module, method_name).__func__
+    method = getattr(module, method_name)  # bound to ``module``, or a function set on it (a partial)
 
-    @functools.wraps(original)
+    @functools.wraps(method)
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = state.pre_forward(args, kwargs)
         try:
-            output = original(self, *args, **kwargs)
+            output = method(*args, **kwargs)
         except BaseException:
             state.on_forward_exception()
             raise
@@ -331,8 +335,7 @@ def groups_under(module: nn.Module) -> list[ParamGroup]:
 
 
 def _prefetch_groups(method: str, modules: Any) -> list[ParamGroup]:
-    if not isinstance(modules, (list, tuple)):
-        raise TypeError(f"{method} expects a list of FSDPModule, got {type(modules).__name__}")
+    modules = _module_list(method, modules)
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(
@@ -365,8 +368,26 @@ def share_comm_ctx(modules: list[Any]) -> None:
     """Share communication streams among several roots (pipeline stages). fsdp2's roots
     already share everything such a context holds (one buffer pool per device, the
     current stream), so this only checks that ``modules`` are fully_shard-ed."""
-    if not isinstance(modules, (list, tuple)):
-        raise TypeError(f"share_comm_ctx expects a list of FSDPModule, got {type(modules).__name__}")
-    for m in modules:
+    for m in _module_list("share_comm_ctx", modules, ordered=False):
         if not isinstance(m, FSDPModule):
             raise ValueError(f"share_comm_ctx expects a list of FSDPModules, got {type(m).__name__}")
+
+
+def _module_list(method: str, modules: Any, ordered: bool = True) -> list[Any]:
+    """``modules`` as a list: any iterable of them (a list, a tuple, an ``nn.ModuleList``,
+    a generator). Where the order matters (``ordered``: prefetch targets, gathered in
+    it) a set is refused: its order differs between ranks, and so would the collectives."""
+    if ordered and isinstance(modules, (set, frozenset)):
+        raise TypeError(f"{method} got a set, whose order differs between ranks; pass a list of FSDPModule")
+    if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList) or not isinstance(modules, Iterable):
+        raise TypeError(f"{method} expects a list of FSDPModule, got {type(modules).__name__}")
+    return list(modules)
+
+
+def _is_real_number(value: Any) -> bool:
+    """A Python or NumPy real number, or a tensor of one element (not a bool)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool
+    return isinstance(value, numbers.Real)

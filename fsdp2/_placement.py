@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._validate import check_tp_param, validate_dp_mesh_dims, validate_mesh, validate_spmd_param
 from .api import DataParallelMeshDims
@@ -69,7 +70,7 @@ def _split_result(
     result: Any, fqn: str, default: MeshTarget, targets: dict[Any, MeshTarget]
 ) -> tuple[Any, MeshTarget]:
     """(placement, mesh) of one ``shard_placement_fn`` result."""
-    if result is None or type(result) is Shard:
+    if result is None or _is_shard(result):
         return result, default
     if not hasattr(result, "placement") or not (hasattr(result, "mesh") or hasattr(result, "mesh_info")):
         raise ValueError(
@@ -153,7 +154,7 @@ def _dim(p: torch.Tensor, placement: Any, fqn: str) -> int:
     local = p._local_tensor if isinstance(p, DTensor) else p
     if placement is None:
         return 0
-    if type(placement) is not Shard:
+    if not _is_shard(placement):
         raise ValueError(
             f"shard_placement_fn returned the placement {placement!r} for {fqn}; fsdp2 shards parameters "
             "with Shard(dim) (None: Shard(0))"
@@ -206,3 +207,9 @@ def _check_covers_data_parallel(
                 f"experts split over ep ranks, an expert-data-parallel mesh of {want} // ep ranks). torch's "
                 "fully_shard does not check this"
             )
+
+
+def _is_shard(placement: Any) -> bool:
+    """``Shard(dim)`` or a subclass of it that shards the same way (torch's checks are
+    ``isinstance``); not ``_StridedShard``, whose rows interleave."""
+    return isinstance(placement, Shard) and not isinstance(placement, _StridedShard)

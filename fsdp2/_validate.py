@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,7 +21,12 @@ from .comm.mesh import SpmdDims
 
 
 def validate_modules(module: Any) -> list[nn.Module]:
-    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if isinstance(module, (set, frozenset)):
+        raise TypeError(
+            "fully_shard got a set of modules, whose order differs between processes (the ranks would "
+            "lay out the group's parameters differently); pass a list"
+        )
+    modules = [module] if isinstance(module, nn.Module) or not isinstance(module, Iterable) else list(module)
     if not modules:
         raise ValueError("fully_shard expects a module or a non-empty list of modules, got an empty list")
     seen: set[int] = set()
@@ -99,6 +105,8 @@ def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> 
     field, so a script (or a library such as accelerate) that builds them from
     ``torch.distributed.fsdp`` and calls fsdp2's ``fully_shard`` runs unchanged."""
     mp_policy = _from_torch(mp_policy, (MixedPrecisionPolicy,))
+    if offload_policy is None:  # torch's fully_shard takes None for no offload (verl passes it)
+        offload_policy = OffloadPolicy()
     offload_policy = _from_torch(offload_policy, (CPUOffloadPolicy, OffloadPolicy))
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
@@ -108,7 +116,7 @@ def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> 
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"offload_policy expects an OffloadPolicy or CPUOffloadPolicy, got {_described(offload_policy)}; "
-            "pass fsdp2.OffloadPolicy() or fsdp2.CPUOffloadPolicy()"
+            "pass fsdp2.OffloadPolicy() (or None) or fsdp2.CPUOffloadPolicy()"
         )
     return mp_policy, offload_policy
 
@@ -142,10 +150,12 @@ def _from_torch(policy: Any, ours: tuple[type, ...]) -> Any:
     """fsdp2's class for a policy of torch's own class of the same name and fields."""
     if isinstance(policy, ours) or isinstance(policy, type) or not dataclasses.is_dataclass(policy):
         return policy
-    if not type(policy).__module__.startswith("torch.distributed"):
+    # torch's class, or a user's subclass of it: the nearest of torch's classes names it.
+    torch_cls = next((c for c in type(policy).__mro__ if c.__module__.startswith("torch.distributed")), None)
+    if torch_cls is None:
         return policy
     for cls in ours:
-        if type(policy).__name__ == cls.__name__:
+        if torch_cls.__name__ == cls.__name__:
             names = {f.name for f in dataclasses.fields(cls) if f.init}
             theirs = {f.name for f in dataclasses.fields(policy) if f.init}
             if not theirs <= names:  # fsdp2's may have more (``quantize_gather``...)
@@ -166,9 +176,9 @@ def _described(obj: Any) -> str:
 def validate_ignored(ignored_params: Any) -> set[int]:
     if ignored_params is None:
         return set()
-    if not isinstance(ignored_params, (set, frozenset, list, tuple)):
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
         raise TypeError(f"ignored_params expects a set of parameters, got {type(ignored_params).__name__}")
-    return {id(p) for p in ignored_params}
+    return {id(p) for p in ignored_params}  # any collection (torch only tests membership)
 
 
 def check_tp_param(p: DTensor, fqn: str, mesh: DeviceMesh) -> None:

@@ -207,6 +207,9 @@ class DataParallelMeshDims:
             raise ValueError("DataParallelMeshDims needs shard, replicate or both set to mesh dim names")
         for name in ("shard", "replicate"):
             value = getattr(self, name)
+            if isinstance(value, list):  # torch's takes a list of names as the tuple
+                value = tuple(value)
+                object.__setattr__(self, name, value)
             names = value if isinstance(value, tuple) else (value,)
             if value is not None and not all(isinstance(n, str) for n in names):
                 raise TypeError(f"DataParallelMeshDims.{name} expects a dim name or a tuple of them, got {value!r}")
