@@ -16,7 +16,7 @@ from .optim import clip_grad_norm_
 from .params.state_dict import StateDictError
 from .planning import plan
 from .runtime.finalize import GradientReductionHandle
-from .weights import full_weights
+from .weights import full_weights, gathered, register_gathered_method
 
 __all__ = [
     "BlockQuantization",
@@ -32,8 +32,10 @@ __all__ = [
     "clip_grad_norm_",
     "full_weights",
     "fully_shard",
+    "gathered",
     "held_bytes",
     "register_fsdp_forward_method",
+    "register_gathered_method",
     "release_memory",
     "share_comm_ctx",
 ]

@@ -129,6 +129,7 @@ def fully_shard(
     )
     group.shared_elsewhere = shared
     _move_buffers(modules, device)
+    _mark_managed(modules)
     for fp, original in zip(fsdp_params, params):
         fp.register_sharded()
         _remember(_REPLACED, id(original), (weakref.ref(original), weakref.ref(fp)))
@@ -190,6 +191,19 @@ def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
             for buf in module._buffers.values():
                 if buf is not None and buf.device != device and buf.device.type != "meta":
                     buf.data = buf.data.to(device)
+
+
+def _mark_managed(modules: list[nn.Module]) -> None:
+    """The marks torch's ``fully_shard`` leaves on every module it manages, which other
+    code reads to know a module is FSDP-sharded: transformers' ``generate`` turns on
+    ``synced_gpus`` (every rank runs forwards until all are done, so ranks whose
+    sequences end at different steps issue the same collectives), and dynamo treats the
+    module as FSDP-managed (its parameters are graph inputs, not guarded constants:
+    they change between sharded and unsharded)."""
+    for root in modules:
+        for module, _ in _walk_unmanaged(root):
+            module._is_fsdp_managed_module = True
+            module._fsdp_use_orig_params = True
 
 
 def _managed_elsewhere(p: torch.Tensor) -> FSDPParam | None:

@@ -2,7 +2,8 @@
 ``python -m fsdp2.patch`` (and once without it). It prints one ``PATCH_SCRIPT {json}`` line
 per rank: where its names came from, its ``sys.argv`` and ``__name__``, and with 2 ranks
 the worst error of a zero-bubble pipeline (2 ranks, 4 stages in a V, each stage's blocks
-sharded with ``fully_shard``) against local training, in float64 (at most 1 passes).
+sharded with ``fully_shard``) against local training, in float64 (at most 1 passes), and
+the all-gathers of 5 forwards inside ``fsdp2.gathered`` (the one line a user adds).
 Its helpers come from tests/test_pipeline.py, found through the script's own folder on
 ``sys.path``."""
 
@@ -26,8 +27,9 @@ def names() -> dict:
     }
 
 
-def train(steps: int) -> float:
-    """Worst ``|got - want| / (ATOL + RTOL |want|)`` over the parameters after ``steps``."""
+def train(steps: int) -> tuple[float, int]:
+    """Worst ``|got - want| / (ATOL + RTOL |want|)`` over the parameters after ``steps``,
+    and ``gathered_generation``'s all-gathers in the same process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
@@ -57,14 +59,33 @@ def train(steps: int) -> float:
         opt.step()
         opt.zero_grad()
     worst = worst_excess(modules, ref)
+    gathers = gathered_generation(5)
     dist.destroy_process_group()
-    return worst
+    return worst, gathers
+
+
+def gathered_generation(tokens: int) -> int:
+    """All-gathers of ``tokens`` no-grad forwards of a model sharded with torch's names
+    (fsdp2's under the launcher) inside the one line ``fsdp2.gathered`` takes."""
+    import fsdp2
+    from _comm import CommCounter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    counter = CommCounter()
+    with counter.active(), torch.no_grad(), fsdp2.gathered(model):
+        for _ in range(tokens):
+            model(torch.randn(2, 4))
+    return counter.calls["all_gather"]
 
 
 if __name__ == "__main__":
     out = names()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        out["worst"] = train(int(sys.argv[sys.argv.index("--steps") + 1]))
+        out["worst"], out["gathered_gathers"] = train(int(sys.argv[sys.argv.index("--steps") + 1]))
     # One write of the whole line (atomic on a pipe up to 4 KiB): the ranks share stdout,
     # and a print's text and newline may go out apart, interleaving two ranks' lines.
     sys.stdout.flush()

@@ -110,7 +110,7 @@ def test_public_surface_matches_torch() -> None:
     # ours only: a bad load_state_dict's error, clipping across meshes, per-parameter meshes
     # without a private import, quantized collectives' settings, weights out and memory back
     extras = {"StateDictError", "clip_grad_norm_", "ShardPlacementResult", "BlockQuantization"}
-    extras |= {"full_weights", "held_bytes", "release_memory"}
+    extras |= {"full_weights", "held_bytes", "release_memory", "gathered", "register_gathered_method"}
     extras |= {n for n in TORCH_215_NAMES if not hasattr(torch_fsdp, n)}  # torch 2.15's, on every torch
     for name in set(fsdp2.__all__) - extras:
         assert hasattr(torch_fsdp, name), name

@@ -39,16 +39,25 @@ def _eval_worker(rank: int, world: int) -> dict:
     with torch.no_grad():
         got = model(ids)
     want = ref(ids)
+    root = model._fsdp2_state.group
+    # As torch's: the root (``reshard_after_forward=None`` keeps it) stays gathered for the
+    # next forward, the blocks are freed, nothing waits for a backward.
     clean = all(
-        g.shard_state is ShardState.SHARDED and g.training_state is TrainingState.IDLE and g.calls.pending == 0
+        (g.shard_state is ShardState.UNSHARDED) == (g is root)
+        and g.training_state is TrainingState.IDLE and g.calls.pending == 0
         for g in _groups(model)
     )
+    blocks_sharded = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.blocks.parameters())
+    model.reshard()
     registered_sharded = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
-    return {"match": torch.allclose(got, want, rtol=1e-12, atol=1e-12), "clean": clean, "sharded": registered_sharded}
+    return {
+        "match": torch.allclose(got, want, rtol=1e-12, atol=1e-12), "clean": clean,
+        "sharded": blocks_sharded and registered_sharded,
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_eval_under_no_grad_leaves_no_state(world: int) -> None:
+def test_eval_under_no_grad_leaves_no_state_but_the_roots_kept_parameters(world: int) -> None:
     for out in _at(world)["eval"]:
         assert all(out.values()), out
 
@@ -120,15 +129,16 @@ def _forward_method_worker(rank: int, world: int) -> dict:
     x = torch.randn(2, 4, dtype=torch.float64)
     with torch.no_grad():
         got = model.generate(x)
-    sharded_after = isinstance(model.proj.weight, torch.distributed.tensor.DTensor)
-    # With grad, the root keeps its gathered parameters for the backward to come (as
-    # torch's root does) and shows them until it is resharded.
+    # The root keeps its gathered parameters after a forward (as torch's root does),
+    # without grad too (the next forward, e.g. the next token, needs them), and shows them
+    # until it is resharded.
+    kept_without_grad = type(model.proj.weight) is nn.Parameter and model.proj.weight.shape == (4, 4)
     got_grad = model.generate(x)
     kept = type(model.proj.weight) is nn.Parameter and model.proj.weight.shape == (4, 4)
     model.reshard()
     return {
         "match": torch.allclose(got, ref.generate(x)) and torch.allclose(got_grad, ref.generate(x)),
-        "sharded_after": sharded_after,
+        "kept_without_grad": kept_without_grad,
         "kept_with_grad": kept,
         "sharded_after_reshard": isinstance(model.proj.weight, torch.distributed.tensor.DTensor),
     }

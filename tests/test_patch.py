@@ -380,6 +380,7 @@ def test_launcher_torchrun_script() -> None:
         assert out["PipelineStage"] == ("torch.distributed.pipelining.stage" if PUBLIC_STAGE else "fsdp2.pipelining"), out
         assert out["argv"] == [script, "--steps", "2"] and out["name"] == "__main__", out
         assert out["worst"] <= 1.0, out
+        assert out["gathered_gathers"] == 3, out  # the 3 blocks (the root owns none), once for 5 forwards
     assert proc.stderr.count("fsdp2.patch:") == 1, proc.stderr  # rank 0 only
 
 

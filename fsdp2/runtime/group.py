@@ -45,6 +45,7 @@ from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from ..params.shared import SharedParam
 from .calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
+from .gathered import GatheredBlock
 from .group_backward import GroupBackward
 from .group_setup import (
     ShardState,
@@ -122,6 +123,9 @@ class ParamGroup(GroupBackward):
         # between and after this group's forwards, so it stays gathered (and its reduce
         # waits) until the end of the next backward or ``reshard()``.
         self.held_by_user = False
+        # An open ``fsdp2.gathered`` block over this group: the groups it admits stay
+        # gathered after their forwards until it ends (``runtime/gathered.py``).
+        self.gathered_block: GatheredBlock | None = None
         self.in_pipeline_stage = False  # run by an ``fsdp2.pipelining`` stage
         self.order_index = -1  # position in the root's recorded forward order
         self.ctx: StepContext | None = None
@@ -207,6 +211,34 @@ class ParamGroup(GroupBackward):
         if self.training_state is TrainingState.IDLE and not in_step:
             self.reshard()
 
+    def open_gathered_block(self, block: GatheredBlock) -> None:
+        self.gathered_block = block
+
+    def close_gathered_block(self) -> None:
+        self.gathered_block = None
+
+    def gathered_bytes(self) -> int:
+        """Bytes its unsharded parameters take while gathered (none where the gathered
+        parameters are the shards themselves: one rank, no dtype change)."""
+        return sum(b.gathered_bytes() for b in self.buckets)
+
+    def end_of_gathered_block(self) -> None:
+        """Reshard what a ``gathered`` block kept: between steps, and after a forward that
+        raised inside the block (every forward it was in has ended by then; the recovery
+        at the next forward resets the rest). Not a group ``unshard()`` holds."""
+        ctx = self.ctx
+        if self.held_by_user:
+            return
+        if ctx is not None and ctx.needs_reset and not ctx.in_backward:
+            self.reshard()
+        else:
+            self.reshard_if_idle()
+
+    def _kept_by_block(self) -> bool:
+        """At the end of a forward: an open ``gathered`` block keeps this group gathered
+        (decided at its first forward in the block)."""
+        return self.gathered_block is not None and self.gathered_block.keeps(self)
+
     def _show_sharded(self, state: ShardState) -> None:
         self.held_by_user = False
         self.shard_state = state
@@ -228,6 +260,7 @@ class ParamGroup(GroupBackward):
         return (
             self.reshard_after_forward is True
             and not self.held_by_user
+            and not (self.gathered_block is not None and self.gathered_block.has_admitted(self))
             and not (self.reshard_after_forward_arg is None and self.ctx is not None and self.ctx.keeps_for_backward(self))
         )
 
@@ -287,15 +320,20 @@ class ParamGroup(GroupBackward):
         self._forwarded.add(id(module))
         if len(self._forwarded) == len(self.modules):
             self._forwarded.clear()
-            if self.held_by_user:
-                pass  # gathered by unshard() for the caller's own computations: kept
+            if self.held_by_user or self._kept_by_block():
+                pass  # gathered by unshard() for the caller's own computations, or a gathered block: kept
             elif torch.is_grad_enabled():
                 self._reshard_after_forward()
-                if self.shard_state is not ShardState.SHARDED:
-                    for b in self.buckets:
-                        b.kept.note()  # checked at the next forward (``pre_forward``)
+            elif self.reshard_after_forward is True:
+                self.reshard()  # no backward follows: the kept last block is not kept
             else:
-                self.reshard()  # no backward follows a no-grad forward: keep nothing
+                # False (the root's default) or an int, as after a forward with grad: a
+                # group kept gathered stays so across no-grad forwards (every token of a
+                # generation) until the next backward, reshard() or optimizer step.
+                self._reshard_after_forward()
+            if self.shard_state is not ShardState.SHARDED and not self.held_by_user:
+                for b in self.buckets:
+                    b.kept.note()  # checked at the next forward (``pre_forward``)
             self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             self.calls.hook_outputs(output, self._pre_backward_hook)

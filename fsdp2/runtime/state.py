@@ -82,12 +82,16 @@ class FSDPState:
             ctx = RootContext.lazy_init(self)
         if ctx.reduction is not None:
             ctx.check_no_reduction_pending("forward")
-        if ctx.root is self.group:
+        is_root = ctx.root is self.group
+        # A root forward inside a root call still open (``generate`` registered with
+        # ``register_fsdp_forward_method`` calls ``forward`` per token) continues it.
+        if is_root and (not ctx.root_calls or ctx.needs_reset or ctx.in_backward):
             if any(g.unfinished_steps for g in ctx.groups):
                 local_step.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
             ctx.start_iteration()
         if not ctx.in_backward:  # a recompute may stop early, without its post_forward
             ctx.active_forwards += 1
+            ctx.root_calls += is_root
         return self.group.pre_forward(self.module, args, kwargs)
 
     def post_forward(self, output: Any) -> Any:
@@ -98,6 +102,7 @@ class FSDPState:
         ctx.active_forwards -= 1
         output = self.group.post_forward(self.module, output)
         if ctx.root is self.group:
+            ctx.root_calls -= 1
             ctx.end_forward()
         return output
 
@@ -113,6 +118,7 @@ class RootContext(ManualFinalization):
         self.reduction: GradientReductionHandle | None = None
         self.needs_reset = False  # a forward raised: reset at the next root forward
         self.active_forwards = 0  # pre_forwards without their post_forward yet
+        self.root_calls = 0  # the root's, of those: more than one when nested (generate -> forward)
         self.forward_order: list[ParamGroup] = []
         self.order_frozen = False
         self.pending_reduces: deque[tuple[ParamGroup, FlatBucket]] = deque()
@@ -349,6 +355,7 @@ class RootContext(ManualFinalization):
         self.in_backward = False
         self.needs_reset = False
         self.active_forwards = 0
+        self.root_calls = 0
         self.manual_active = None
         self.reduction = None  # a handle not waited for is invalid now
 
