@@ -8,7 +8,10 @@ with an inference engine that generates the next batch.
 Each iteration, as verl, TRL's GRPO or OpenRLHF do it:
 
 1. the engine (a stand-in for vLLM or SGLang: an unsharded copy of the model in
-   ``--engine-dtype``, generating greedily) completes this rank's prompts;
+   ``--engine-dtype``, generating greedily) completes this rank's prompts; with
+   ``--generate-with policy`` the sharded policy itself does (TRL's GRPO without vLLM,
+   verl's HF rollout), inside ``with fsdp2.gathered(model):``: one all-gather per group
+   for the whole generation (torch's ``fully_shard``: one per group per token);
 2. the policy, sharded with ``fully_shard``, comes back to the device (where there is
    one: ``model.to(device)`` and its optimizer state) and takes a policy-gradient step
    on the completions (a toy reward: the share of tokens below ``vocab / 2``);
@@ -29,6 +32,7 @@ moves there); GPUs + NCCL when CUDA is available.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -62,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--engine-dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generate-with", choices=["engine", "policy"], default="engine",
+                   help="who completes the prompts: the engine, or the sharded policy (fsdp2.gathered)")
     return p.parse_args(argv)
 
 
@@ -134,6 +140,24 @@ def generate(engine: torch.nn.Module, prompts: torch.Tensor, steps: int) -> torc
     return seqs
 
 
+def generate_with_policy(model: torch.nn.Module, prompts: torch.Tensor, args: argparse.Namespace,
+                         summary: dict[str, Any]) -> torch.Tensor:
+    """The sharded policy completes the prompts: fsdp2 keeps each group gathered for the
+    whole generation (``fsdp2.gathered``); torch's ``fully_shard`` gathers the blocks
+    again for every token. Records the all-gathers, their bytes and the time."""
+    import fsdp2
+
+    meter = GatherMeter()
+    start = time.perf_counter()
+    with meter, fsdp2.gathered(model) if args.impl == "fsdp2" else contextlib.nullcontext():
+        seqs = generate(model, prompts, args.gen_len)
+    summary["generations"].append((meter.calls, meter.bytes, (time.perf_counter() - start) * 1e3, seqs.tolist()))
+    if dist.get_rank() == 0:
+        print(f"generation ({args.impl}, the policy): {meter.calls} all-gathers, {meter.bytes / 2**20:.2f} MiB, "
+              f"{summary['generations'][-1][2]:.1f} ms", flush=True)
+    return seqs
+
+
 def policy_loss(model: torch.nn.Module, seqs: torch.Tensor, prompt_len: int, vocab: int) -> tuple[torch.Tensor, float]:
     """REINFORCE with a toy reward (each completion's share of tokens below vocab / 2,
     centred on the batch mean): the completions' log-likelihood, weighted."""
@@ -164,14 +188,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     export = export_fsdp2 if args.impl == "fsdp2" else export_per_parameter
     load_into(engine, export(model, dtype))
     moves = device.type != "cpu"
-    summary: dict[str, Any] = {"exports": [], "equal": [], "held": []}
+    summary: dict[str, Any] = {"exports": [], "equal": [], "held": [], "generations": []}
     for it in range(args.iterations):
         g = torch.Generator().manual_seed(args.seed * 1009 + it * 101 + rank)
         prompts = torch.randint(0, args.vocab, (args.prompts, args.prompt_len), generator=g).to(device)
-        seqs = generate(engine, prompts, args.gen_len)  # the policy is off the device meanwhile
+        if args.generate_with == "engine":
+            seqs = generate(engine, prompts, args.gen_len)  # the policy is off the device meanwhile
         if moves:
             model.to(device)
             move_optimizer_state(opt, device)
+        if args.generate_with == "policy":
+            seqs = generate_with_policy(model, prompts, args, summary)
         loss, reward = policy_loss(model, seqs, args.prompt_len, args.vocab)
         loss.backward()
         opt.step()
