@@ -312,15 +312,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     state = module._fsdp2_state
     method = getattr(module, method_name)  # bound to ``module``, or a function set on it (a partial)
 
-    @functools.wraps(method)
+    @functools.wraps(getattr(method, "__func__", method))  # the signature as it was
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(args, kwargs)
-        try:
-            output = method(*args, **kwargs)
-        except BaseException:
-            state.on_forward_exception()
-            raise
-        return state.post_forward(output)
+        return state.call_registered(method, args, kwargs)
 
     setattr(module, method_name, types.MethodType(wrapped, module))
 

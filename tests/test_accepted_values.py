@@ -61,7 +61,7 @@ def _kwargs(lib: Any, case: str, m: nn.Sequential) -> tuple[dict, dict]:
 def _after(lib: Any, case: str, m: Any) -> None:
     """A setter called between the first and the second step."""
     if case == "bool_setters_0_1_numpy":
-        m.set_requires_gradient_sync(np.True_)
+        m.set_requires_gradient_sync(np.False_)  # this step accumulates; _grads_after syncs with 1
         m.set_reshard_after_backward(1)
         m[0].set_unshard_in_backward(np.True_)
         m.set_requires_all_reduce(1)
@@ -70,9 +70,8 @@ def _after(lib: Any, case: str, m: Any) -> None:
         m.reshard()
     elif case == "divide_factor_numpy_tensor_none":
         m[0].set_gradient_divide_factor(np.float64(4.0))
+        m[0].set_gradient_divide_factor(None)  # back to the mesh size
         m[1].set_gradient_divide_factor(torch.tensor(4.0))
-        m.set_gradient_divide_factor(3)
-        m.set_gradient_divide_factor(None)  # back to the mesh size
     elif case == "none_resets":
         m.set_post_optim_event(None)
         m[0].set_all_reduce_hook(_double)
@@ -118,6 +117,9 @@ def _run(rank: int, world: int, lib_name: str, case: str) -> list[Any]:
             _after(lib, case, m)
         out = m[1].doubled(m[0](x)) if case == "forward_method_set_on_the_instance" and step else m(x)
         out.square().sum().backward()
+        if step == 1 and case == "bool_setters_0_1_numpy":  # the accumulated step, then a synced one
+            m.set_requires_gradient_sync(1)
+            m(x).square().sum().backward()
         grads.append(
             [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for p in m.parameters()]
         )

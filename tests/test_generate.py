@@ -185,12 +185,14 @@ def _gathered(rank: int, world: int) -> dict[str, Any]:
     out["registered"], tokens = _counted(lambda: _generate(model, prompt))
     out["registered_same"] = torch.equal(tokens, per_forward)
     out["raised_resharded"] = _raise_inside(fsdp2, model, prompt)
+    out["both_registrations"] = _both_registrations(fsdp2, prompt)
     # A backward and a step inside the block, then training after it: exact.
     seqs = torch.randint(0, VOCAB, (2 * world, 8), generator=torch.Generator().manual_seed(3))  # the global batch
     mine = seqs.chunk(world)[rank]
     with fsdp2.gathered(model):
         _generate(model, prompt)
-        _train_step(ref, opts[0], seqs), _train_step(model, opts[1], mine)
+        for _ in range(2):  # the second forward after a step: the kept groups gathered afresh
+            _train_step(ref, opts[0], seqs), _train_step(model, opts[1], mine)
     _train_step(ref, opts[0], seqs), _train_step(model, opts[1], mine)
     got, want = full_params(model), full_params(ref)
     out["worst"] = max((got[n] - want[n]).abs().max().item() for n in want)
@@ -217,6 +219,20 @@ def _nested(fsdp2: Any, model: Any, prompt: torch.Tensor) -> None:
 def _gathered_generate(fsdp2: Any, model: Any, prompt: torch.Tensor, max_bytes: int) -> torch.Tensor:
     with fsdp2.gathered(model, max_bytes=max_bytes):
         return _generate(model, prompt)
+
+
+def _both_registrations(fsdp2: Any, prompt: torch.Tensor) -> dict[str, Any]:
+    """``register_gathered_method`` first, then ``register_fsdp_forward_method`` around
+    it: the block ends inside the outer forward hooks, and still reshards the blocks (the
+    root stays gathered by its own setting, as without a block)."""
+    from torch.distributed.tensor import DTensor
+
+    model = _shard(fsdp2, _build(), "plain")
+    fsdp2.register_gathered_method(model, "generate")
+    fsdp2.register_fsdp_forward_method(model, "generate")
+    gathers, tokens = _counted(lambda: _generate(model, prompt))
+    blocks = all(isinstance(p, DTensor) for p in model.model.layers.parameters())
+    return {"gathers": gathers, "blocks_sharded": blocks, "tokens": tokens.tolist()}
 
 
 def _raise_inside(fsdp2: Any, model: Any, prompt: torch.Tensor) -> bool:
@@ -354,6 +370,12 @@ def test_gathered_generates_at_one_all_gather_per_group() -> None:
 def test_gathered_within_a_budget_keeps_what_fits() -> None:
     for res in _world()["gathered"]:
         assert res["budget"] == 1 + TOKENS + 1, res
+
+
+def test_gathered_inside_the_forward_hooks_of_a_registered_generate() -> None:
+    for res in _world()["gathered"]:
+        both = res["both_registrations"]
+        assert both == {**both, "gathers": res["groups"], "blocks_sharded": True}, both
 
 
 def test_gathered_reshards_when_a_forward_raises_inside_it() -> None:

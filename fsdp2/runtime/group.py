@@ -223,16 +223,18 @@ class ParamGroup(GroupBackward):
         return sum(b.gathered_bytes() for b in self.buckets)
 
     def end_of_gathered_block(self) -> None:
-        """Reshard what a ``gathered`` block kept: between steps, and after a forward that
-        raised inside the block (every forward it was in has ended by then; the recovery
-        at the next forward resets the rest). Not a group ``unshard()`` holds."""
+        """Reshard what a ``gathered`` block kept, once its own forward is done: also when
+        the block ends inside a forward still running (a registered ``generate`` inside
+        ``register_fsdp_forward_method``'s hooks; a later backward gathers it again) and
+        after a forward that raised inside the block. Not during a backward, not a group
+        whose gather is still in flight (after an exception the recovery at the next
+        forward drops it, rather than this waiting on it), not one ``unshard()`` holds."""
         ctx = self.ctx
-        if self.held_by_user:
+        if self.held_by_user or self.shard_state is ShardState.GATHERING:
             return
-        if ctx is not None and ctx.needs_reset and not ctx.in_backward:
+        raised = ctx is not None and ctx.needs_reset
+        if (self.training_state is TrainingState.IDLE or raised) and not (ctx is not None and ctx.in_backward):
             self.reshard()
-        else:
-            self.reshard_if_idle()
 
     def _kept_by_block(self) -> bool:
         """At the end of a forward: an open ``gathered`` block keeps this group gathered

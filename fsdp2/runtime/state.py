@@ -82,17 +82,37 @@ class FSDPState:
             ctx = RootContext.lazy_init(self)
         if ctx.reduction is not None:
             ctx.check_no_reduction_pending("forward")
-        is_root = ctx.root is self.group
-        # A root forward inside a root call still open (``generate`` registered with
-        # ``register_fsdp_forward_method`` calls ``forward`` per token) continues it.
-        if is_root and (not ctx.root_calls or ctx.needs_reset or ctx.in_backward):
+        # A root forward inside a registered method still running (``generate`` calls
+        # ``forward`` per token) continues that method's step.
+        if ctx.root is self.group and (not ctx.open_methods or ctx.needs_reset or ctx.in_backward):
             if any(g.unfinished_steps for g in ctx.groups):
                 local_step.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
             ctx.start_iteration()
         if not ctx.in_backward:  # a recompute may stop early, without its post_forward
             ctx.active_forwards += 1
-            ctx.root_calls += is_root
         return self.group.pre_forward(self.module, args, kwargs)
+
+    def call_registered(self, method: Any, args: tuple, kwargs: dict) -> Any:
+        """A method registered with ``register_fsdp_forward_method`` (``generate``), inside
+        this module's forward hooks. It counts as open until it returns or raises
+        (whatever it raises: a ``finally``), so root forwards it runs continue its step."""
+        try:
+            args, kwargs = self.pre_forward(args, kwargs)
+        except BaseException:
+            self.on_forward_exception()
+            raise
+        ctx = self.group.ctx
+        if ctx is None:
+            raise AssertionError("fsdp2 internal error: no step context after pre_forward")
+        ctx.open_methods += 1
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            self.on_forward_exception()
+            raise
+        finally:
+            ctx.open_methods -= 1
+        return self.post_forward(output)
 
     def post_forward(self, output: Any) -> Any:
         ctx = self.group.ctx
@@ -102,7 +122,6 @@ class FSDPState:
         ctx.active_forwards -= 1
         output = self.group.post_forward(self.module, output)
         if ctx.root is self.group:
-            ctx.root_calls -= 1
             ctx.end_forward()
         return output
 
@@ -118,7 +137,7 @@ class RootContext(ManualFinalization):
         self.reduction: GradientReductionHandle | None = None
         self.needs_reset = False  # a forward raised: reset at the next root forward
         self.active_forwards = 0  # pre_forwards without their post_forward yet
-        self.root_calls = 0  # the root's, of those: more than one when nested (generate -> forward)
+        self.open_methods = 0  # registered methods running (``FSDPState.call_registered``)
         self.forward_order: list[ParamGroup] = []
         self.order_frozen = False
         self.pending_reduces: deque[tuple[ParamGroup, FlatBucket]] = deque()
@@ -355,7 +374,6 @@ class RootContext(ManualFinalization):
         self.in_backward = False
         self.needs_reset = False
         self.active_forwards = 0
-        self.root_calls = 0
         self.manual_active = None
         self.reduction = None  # a handle not waited for is invalid now
 

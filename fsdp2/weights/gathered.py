@@ -72,7 +72,7 @@ def register_gathered_method(module: nn.Module, method_name: str, *, max_bytes: 
         raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register")
     _check_budget("register_gathered_method", max_bytes)
 
-    @functools.wraps(method)
+    @functools.wraps(getattr(method, "__func__", method))  # the signature as it was
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with gathered(self, max_bytes=max_bytes):
             return method(*args, **kwargs)  # as it was: bound to ``module``, or set on it
