@@ -130,9 +130,11 @@ def _run(rank: int, world: int, lib_name: str, case: str) -> list[Any]:
 def _verl(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     """verl's FSDP2 engine, as its ``fsdp_utils`` drives ``fully_shard``: ``apply_fsdp2``
     wraps each class named in ``_no_split_modules`` (and an untied embedding) with
-    ``fsdp_kwargs`` holding ``offload_policy=None`` when offload is off, then the root;
-    ``fsdp2_load_full_state_dict`` materializes the meta model (``to_empty``), loads rank
-    0's full state dict by broadcast and broadcasts the buffers; then a log-prob forward
+    ``fsdp_kwargs`` holding ``offload_policy=None`` when offload is off, then the root,
+    of a model built whole on rank 0 and on the meta device elsewhere;
+    ``fsdp2_load_full_state_dict`` moves rank 0's and materializes the others'
+    (``to_empty``), loads rank 0's full state dict by broadcast and broadcasts the
+    buffers (rank 0's, the rotary tables: not in the state dict); then a log-prob forward
     under ``no_grad`` and a PPO-style update over two micro-batches, clipped by
     ``clip_grad_norm_``."""
     import torch.distributed as dist
@@ -145,9 +147,13 @@ def _verl(rank: int, world: int, lib_name: str) -> dict[str, Any]:
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="eager",
     )
     torch.manual_seed(0)
-    full = LlamaForCausalLM(config).double().state_dict() if rank == 0 else {}
-    with torch.device("meta"):
+    if rank == 0:  # verl's init context: the real model on rank 0's CPU, empty weights elsewhere
         model = LlamaForCausalLM(config).double()
+        full = {k: v.clone() for k, v in model.state_dict().items()}
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config).double()
+        full = {}
     fsdp_kwargs = {"mesh": None, "mp_policy": lib.MixedPrecisionPolicy(), "offload_policy": None,
                    "reshard_after_forward": True}
     wrap = set(model._no_split_modules)
@@ -156,7 +162,10 @@ def _verl(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     for m in modules:
         lib.fully_shard(m, **fsdp_kwargs)
     lib.fully_shard(model, **fsdp_kwargs)
-    model.to_empty(device="cpu")
+    if rank == 0:
+        model.to("cpu")
+    else:
+        model.to_empty(device="cpu")
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buf in model.buffers():
         dist.broadcast(buf, src=0)
