@@ -2,9 +2,9 @@
 gathered from their first forward in the block to its end, within a byte budget.
 
 Generating N tokens runs N forwards; a group that reshards after each gathers its
-parameters N times. Inside a block every group admitted (at its first forward, in
-forward order, while the budget has room) skips resharding after its forwards, so it is
-gathered once for the whole block; the others keep their usual resharding. The decision
+parameters N times. Inside a block every group admitted (at the end of its first
+forward, in that order, while the budget has room) skips resharding after its forwards,
+so it is gathered once for the whole block; the others keep their usual resharding. The decision
 depends only on the groups' sizes and forward order, the same on every rank, so every
 rank issues the same collectives. A backward inside the block is exact: an admitted
 group behaves as with ``reshard_after_forward=False`` (its gradients are reduced as

@@ -29,8 +29,9 @@ def gathered(model: nn.Module, *, max_bytes: int | None = None) -> Iterator[None
     block to its end: a generation of N tokens gathers each group once, not N times.
 
     ``max_bytes`` bounds what the block keeps on this rank (the groups' gathered
-    parameters, in their compute dtype): groups are admitted at their first forward, in
-    forward order, while they fit; the others gather and reshard per forward as usual.
+    parameters, in their compute dtype): groups are admitted in the order their first
+    forwards in the block end, while they fit; the others gather and reshard per forward
+    as usual.
     ``None`` keeps every group. Whatever the block keeps, ``fsdp2.held_bytes`` counts as
     "unsharded parameters".
 
