@@ -82,7 +82,10 @@ def register_gathered_method(module: nn.Module, method_name: str, *, max_bytes: 
 
 
 def _check_budget(caller: str, max_bytes: Any) -> None:
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+    if max_bytes is None:
+        return
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise ValueError(
-            f"{caller}(max_bytes=...) takes a number of bytes >= 0, or None to keep every group, got {max_bytes!r}"
+            f"{caller}(max_bytes=...) takes a number of bytes >= 0, or None to keep every group, "
+            f"got {max_bytes!r}"
         )
