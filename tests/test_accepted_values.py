@@ -95,9 +95,17 @@ def _double(t: torch.Tensor) -> None:
 
 
 CASES = (
-    "offload_policy_none", "ignored_params_dict_keys", "shard_placement_subclass", "policy_subclass_of_torchs",
-    "bool_setters_0_1_numpy", "divide_factor_numpy_tensor_none", "none_resets", "symm_mem_lower_case",
-    "prefetch_module_list_and_tuple", "set_is_last_backward_on_a_child", "forward_method_set_on_the_instance",
+    "offload_policy_none",
+    "ignored_params_dict_keys",
+    "shard_placement_subclass",
+    "policy_subclass_of_torchs",
+    "bool_setters_0_1_numpy",
+    "divide_factor_numpy_tensor_none",
+    "none_resets",
+    "symm_mem_lower_case",
+    "prefetch_module_list_and_tuple",
+    "set_is_last_backward_on_a_child",
+    "forward_method_set_on_the_instance",
 )
 
 
@@ -121,7 +129,10 @@ def _run(rank: int, world: int, lib_name: str, case: str) -> list[Any]:
             m.set_requires_gradient_sync(1)
             m(x).square().sum().backward()
         grads.append(
-            [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for p in m.parameters()]
+            [
+                (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                for p in m.parameters()
+            ]
         )
         m.zero_grad()
     return grads
@@ -143,8 +154,15 @@ def _verl(rank: int, world: int, lib_name: str) -> dict[str, Any]:
 
     lib = impl(lib_name)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="eager",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
     )
     torch.manual_seed(0)
     if rank == 0:  # verl's init context: the real model on rank 0's CPU, empty weights elsewhere
@@ -154,11 +172,18 @@ def _verl(rank: int, world: int, lib_name: str) -> dict[str, Any]:
         with torch.device("meta"):
             model = LlamaForCausalLM(config).double()
         full = {}
-    fsdp_kwargs = {"mesh": None, "mp_policy": lib.MixedPrecisionPolicy(), "offload_policy": None,
-                   "reshard_after_forward": True}
+    fsdp_kwargs = {
+        "mesh": None,
+        "mp_policy": lib.MixedPrecisionPolicy(),
+        "offload_policy": None,
+        "reshard_after_forward": True,
+    }
     wrap = set(model._no_split_modules)
-    modules = [m for m in model.modules()
-               if type(m).__name__ in wrap or (isinstance(m, nn.Embedding) and not config.tie_word_embeddings)]
+    modules = [
+        m
+        for m in model.modules()
+        if type(m).__name__ in wrap or (isinstance(m, nn.Embedding) and not config.tie_word_embeddings)
+    ]
     for m in modules:
         lib.fully_shard(m, **fsdp_kwargs)
     lib.fully_shard(model, **fsdp_kwargs)
@@ -166,7 +191,9 @@ def _verl(rank: int, world: int, lib_name: str) -> dict[str, Any]:
         model.to("cpu")
     else:
         model.to_empty(device="cpu")
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     for buf in model.buffers():
         dist.broadcast(buf, src=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -184,8 +211,11 @@ def _verl(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     opt.step()
     from _models import full_params
 
-    return {"losses": losses, "norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
-            "params": full_params(model)}
+    return {
+        "losses": losses,
+        "norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
+        "params": full_params(model),
+    }
 
 
 @cached_outcome

@@ -39,8 +39,15 @@ def _build(seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
     )
     return LlamaForCausalLM(config).double()
 
@@ -68,7 +75,9 @@ def _with_lora(model: Any) -> Any:
 
 
 def _shard(lib: Any, model: Any, wrap: str) -> Any:
-    mp = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if wrap == "bf16" else lib.MixedPrecisionPolicy()
+    mp = (
+        lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if wrap == "bf16" else lib.MixedPrecisionPolicy()
+    )
     for layer in model.model.layers:
         lib.fully_shard(layer, mp_policy=mp)
     if wrap == "accelerate":  # accelerate keeps the final norm + head gathered
@@ -187,7 +196,8 @@ def _gathered(rank: int, world: int) -> dict[str, Any]:
     out["raised_resharded"] = _raise_inside(fsdp2, model, prompt)
     out["both_registrations"] = _both_registrations(fsdp2, prompt)
     # A backward and a step inside the block, then training after it: exact.
-    seqs = torch.randint(0, VOCAB, (2 * world, 8), generator=torch.Generator().manual_seed(3))  # the global batch
+    # The global batch (every rank the same), each rank its rows of it.
+    seqs = torch.randint(0, VOCAB, (2 * world, 8), generator=torch.Generator().manual_seed(3))
     mine = seqs.chunk(world)[rank]
     with fsdp2.gathered(model):
         _generate(model, prompt)
@@ -282,12 +292,19 @@ def _grpo(rank: int, world: int, variant: str) -> dict[str, Any]:
         prompts = prompts.repeat_interleave(generations, 0)
         torch.manual_seed(1000 * step + rank)
         with torch.no_grad():
-            gathers, seqs = _counted(lambda: policy.generate(
-                prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=temperature,
-                max_new_tokens=TOKENS, eos_token_id=ends, pad_token_id=0,
-            ))
+            gathers, seqs = _counted(
+                lambda: policy.generate(
+                    prompts,
+                    attention_mask=torch.ones_like(prompts),
+                    do_sample=True,
+                    temperature=temperature,
+                    max_new_tokens=TOKENS,
+                    eos_token_id=ends,
+                    pad_token_id=0,
+                )
+            )
         out["gathers"].append(gathers)
-        completions = seqs[:, prompts.shape[1]:]
+        completions = seqs[:, prompts.shape[1] :]
         out["lengths"].append(completions.shape[1])
         is_end = torch.isin(completions, torch.tensor(ends))
         first_end = torch.where(is_end.any(1), is_end.int().argmax(1), completions.shape[1])
@@ -295,7 +312,9 @@ def _grpo(rank: int, world: int, variant: str) -> dict[str, Any]:
         keep = completions.shape[1]
 
         def logps(model: Any) -> torch.Tensor:
-            logits = model(input_ids=seqs, attention_mask=torch.ones_like(seqs), logits_to_keep=keep + 1).logits
+            logits = model(
+                input_ids=seqs, attention_mask=torch.ones_like(seqs), logits_to_keep=keep + 1
+            ).logits
             logits = logits[:, :-1][:, -keep:] / temperature
             return torch.gather(logits.log_softmax(-1), 2, completions[..., None]).squeeze(-1)
 
@@ -303,7 +322,9 @@ def _grpo(rank: int, world: int, variant: str) -> dict[str, Any]:
             ref_logps = logps(reference)
         rewards = (completions == 7).double().sum(1)  # a reward function
         grouped = rewards.view(-1, generations)
-        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(
+            -1
+        )
         mine = logps(policy)
         ratio = torch.exp(mine - mine.detach())
         kl = torch.exp(ref_logps - mine) - (ref_logps - mine) - 1
@@ -396,7 +417,10 @@ def test_gathered_refuses_a_bad_budget_before_anything_changes() -> None:
     import fsdp2
 
     for bad in (-1, 1.5, True, "1GiB"):
-        with pytest.raises(ValueError, match="number of bytes >= 0"), fsdp2.gathered(nn.Linear(2, 2), max_bytes=bad):
+        with (
+            pytest.raises(ValueError, match="number of bytes >= 0"),
+            fsdp2.gathered(nn.Linear(2, 2), max_bytes=bad),
+        ):
             pass
         with pytest.raises(ValueError, match="number of bytes >= 0"):
             fsdp2.register_gathered_method(nn.Linear(2, 2), "forward", max_bytes=bad)
@@ -411,7 +435,11 @@ def test_trl_grpo_with_completions_of_different_lengths_equals_torchs_bit_for_bi
     assert world["grpo-torch"][0]["lengths"] != world["grpo-torch"][1]["lengths"], world["grpo-torch"]
     for variant in ("fsdp2", "fsdp2-gathered"):  # gathered: register_gathered_method(model, "generate")
         for mine, theirs in zip(world[f"grpo-{variant}"], world["grpo-torch"]):
-            assert mine["lengths"] == theirs["lengths"] and mine["losses"] == theirs["losses"], (variant, mine, theirs)
+            assert mine["lengths"] == theirs["lengths"] and mine["losses"] == theirs["losses"], (
+                variant,
+                mine,
+                theirs,
+            )
             assert all(torch.equal(mine["params"][n], theirs["params"][n]) for n in theirs["params"]), variant
     for mine, theirs in zip(world["grpo-fsdp2-gathered"], world["grpo-torch"]):
         assert mine["gathers"] == [3, 3], mine["gathers"]  # 2 blocks + the root, once per generation

@@ -92,6 +92,7 @@ def torch_resizes_seen() -> Any:
             for mode in _get_current_dispatch_mode_stack():
                 if isinstance(mode, MemoryTracker):
                     mode.resized(tensor.untyped_storage())
+
         return wrapped
 
     _fsdp_param.alloc_storage, _fsdp_param.free_storage = told(saved[0]), told(saved[1])
@@ -111,7 +112,9 @@ def measure(args: ModelArgs, tokens: int, repeats: int) -> dict[str, dict[str, A
 
     models = {"torch": build("torch", args), "fsdp2": build("fsdp2", args)}
     half = sum(g.gathered_bytes() for g in groups_under(models["fsdp2"])) // 2  # a budget of half the model
-    prompts = torch.randint(0, args.vocab_size, (2, 4), generator=torch.Generator().manual_seed(dist.get_rank()))
+    prompts = torch.randint(
+        0, args.vocab_size, (2, 4), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
     runs = {
         "torch fully_shard": (models["torch"], contextlib.nullcontext),
         "fsdp2 per forward": (models["fsdp2"], contextlib.nullcontext),
@@ -134,8 +137,12 @@ def measure(args: ModelArgs, tokens: int, repeats: int) -> dict[str, dict[str, A
             with counter.active(), torch_resizes_seen(), tracker, block():
                 seqs = generate(model, prompts, tokens)
             out[variant]["times"].append(time.perf_counter() - start)
-            out[variant].update(gathers=counter.calls["all_gather"], bytes=counter.bytes["all_gather"],
-                                peak=tracker.peak - base, tokens=seqs.tolist())
+            out[variant].update(
+                gathers=counter.calls["all_gather"],
+                bytes=counter.bytes["all_gather"],
+                peak=tracker.peak - base,
+                tokens=seqs.tolist(),
+            )
     for variant in VARIANTS:
         out[variant]["ms"] = statistics.median(out[variant].pop("times")) * 1e3
     return out
@@ -167,12 +174,16 @@ def report(title: str, results: dict[str, Any]) -> None:
     print(f"{'':22s} {'all-gathers':>11s} {'gathered MiB':>13s} {'median ms':>10s} {'peak MiB':>9s}")
     for variant in VARIANTS:
         r = results[variant]
-        print(f"{variant:22s} {r['gathers']:11d} {r['bytes'] / 2**20:13.1f} {r['ms']:10.1f} {r['peak'] / 2**20:9.1f}")
+        mib, peak = r["bytes"] / 2**20, r["peak"] / 2**20
+        print(f"{variant:22s} {r['gathers']:11d} {mib:13.1f} {r['ms']:10.1f} {peak:9.1f}")
     mine, theirs = results["fsdp2 gathered"], results["torch fully_shard"]
-    print(f"fsdp2 gathered / torch: all-gathers {mine['gathers'] / theirs['gathers']:.3f}, bytes "
-          f"{mine['bytes'] / theirs['bytes']:.3f}, time {mine['ms'] / theirs['ms']:.2f}, peak "
-          f"{mine['peak'] / theirs['peak']:.2f}; tokens: gathered == per forward "
-          f"{mine['tokens'] == results['fsdp2 per forward']['tokens']}, == torch's {mine['tokens'] == theirs['tokens']}")
+    print(
+        f"fsdp2 gathered / torch: all-gathers {mine['gathers'] / theirs['gathers']:.3f}, bytes "
+        f"{mine['bytes'] / theirs['bytes']:.3f}, time {mine['ms'] / theirs['ms']:.2f}, peak "
+        f"{mine['peak'] / theirs['peak']:.2f}; tokens: gathered == per forward "
+        f"{mine['tokens'] == results['fsdp2 per forward']['tokens']}, "
+        f"== torch's {mine['tokens'] == theirs['tokens']}"
+    )
 
 
 def main() -> None:
@@ -185,13 +196,18 @@ def main() -> None:
     if ns.part in ("gloo", "all"):
         n = sum(v.numel() for v in Transformer(GLOO).parameters())
         for world in (2, 4):
-            report(f"{n / 1e6:.1f}M parameters (4 blocks + root), {world} gloo ranks, {ns.tokens} tokens",
-                   gloo(world, ns.tokens, ns.repeats))
+            report(
+                f"{n / 1e6:.1f}M parameters (4 blocks + root), {world} gloo ranks, {ns.tokens} tokens",
+                gloo(world, ns.tokens, ns.repeats),
+            )
     if ns.part in ("fake", "all"):
         with torch.device("meta"):
             n = sum(v.numel() for v in Transformer(BILLION).parameters())
-        report(f"one rank of {ns.world}, {n / 1e9:.2f}B parameters (16 blocks + root), fake process group, "
-               f"{ns.tokens} tokens", fake(ns.world, ns.tokens, max(1, ns.repeats // 2)))
+        report(
+            f"one rank of {ns.world}, {n / 1e9:.2f}B parameters (16 blocks + root), fake process group, "
+            f"{ns.tokens} tokens",
+            fake(ns.world, ns.tokens, max(1, ns.repeats // 2)),
+        )
 
 
 if __name__ == "__main__":
