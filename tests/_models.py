@@ -52,6 +52,19 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float() if logits.dtype == torch.bfloat16 else logits.flatten(0, -2), targets.flatten())
 
 
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A tiny ``LlamaConfig`` (no download): 2 decoder layers of width 32, vocab 64, untied
+    embeddings, eager attention; ``overrides`` replace fields."""
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return LlamaConfig(**{**fields, **overrides})
+
+
 def impl(name: str) -> Any:
     """The module that provides ``fully_shard``: ours or torch's (to keep tests honest).
     ``fsdp2-in-place``: ours, with every bucket (however small) gathered and reduced in

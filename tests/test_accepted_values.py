@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from _dist import cached_outcome, run_scenarios
-from _models import impl
+from _models import full_params, impl, tiny_llama_config
 from torch.distributed.tensor import Shard
 
 LIBS = ("fsdp2", "torch")
@@ -150,20 +150,10 @@ def _verl(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     ``clip_grad_norm_``."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     lib = impl(lib_name)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
+    config = tiny_llama_config()
     torch.manual_seed(0)
     if rank == 0:  # verl's init context: the real model on rank 0's CPU, empty weights elsewhere
         model = LlamaForCausalLM(config).double()
@@ -209,8 +199,6 @@ def _verl(rank: int, world: int, lib_name: str) -> dict[str, Any]:
         losses.append(loss.item())
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    from _models import full_params
-
     return {
         "losses": losses,
         "norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),

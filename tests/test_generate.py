@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from _comm import CommCounter
 from _dist import cached_outcome, run_scenarios
-from _models import full_params, impl
+from _models import full_params, impl, tiny_llama_config
 
 LIBS = ("fsdp2", "torch")
 VOCAB, TOKENS = 64, 6
@@ -35,21 +35,10 @@ WRAPS = ("plain", "accelerate", "registered", "reference", "lora", "bf16")
 
 
 def _build(seed: int = 0) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config).double()
+    return LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB)).double()
 
 
 class _Lora(nn.Module):
