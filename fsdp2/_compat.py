@@ -30,9 +30,13 @@ class TorchBehaviour:
             ``param_dtype`` (torch 2.15; 2.13 and 2.14 reduce in ``param_dtype``).
         policy_shows_override_fn: torch's ``MixedPrecisionPolicy`` has the field
             ``param_dtype_override_fn`` and its repr shows it (torch 2.15).
-        accumulates_in_reduce_dtype: across backwards without synchronization, each
-            gradient contribution is cast to the reduce dtype before it is summed (a tied
-            weight's two as well; torch 2.15), not summed in the compute dtype first.
+        accumulates_in_reduce_dtype: the unsharded leaves take their gradients in the
+            reduce dtype, each contribution cast before it is summed (a tied weight's two
+            as well; torch 2.15), not summed in the compute dtype and cast once.
+        reduce_keeps_computed_grad_dtype: a parameter whose reduce dtype is wider than
+            its compute dtype takes each op's gradient in the dtype the op computes
+            (``grad_dtype=None`` on the unsharded leaf) in a backward that reduces and in
+            later accumulating ones, not cast to the compute dtype first (torch 2.15).
         reset_clears_grads: ``reset_iter_state()`` drops the sharded parameters' and the
             leaves' gradients too (torch 2.15).
         grad_dtype_override_known: tensors say whether ``grad_dtype`` was set explicitly
@@ -43,6 +47,7 @@ class TorchBehaviour:
     reduce_follows_grad_dtype: bool
     policy_shows_override_fn: bool
     accumulates_in_reduce_dtype: bool
+    reduce_keeps_computed_grad_dtype: bool
     reset_clears_grads: bool
     grad_dtype_override_known: bool
 
@@ -53,6 +58,7 @@ class TorchBehaviour:
             reduce_follows_grad_dtype=release >= (2, 15),
             policy_shows_override_fn=release >= (2, 15),
             accumulates_in_reduce_dtype=release >= (2, 15),
+            reduce_keeps_computed_grad_dtype=release >= (2, 15),
             reset_clears_grads=release >= (2, 15),
             grad_dtype_override_known=hasattr(torch.Tensor, "_has_grad_dtype_override"),
         )

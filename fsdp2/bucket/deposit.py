@@ -36,29 +36,43 @@ class Deposits:
     params: list[FSDPParam]
     state: ReduceState
     deposited: list[bool]  # per reduced parameter: a gradient was deposited since the last reduce
-    _leaves_wide: tuple[bool, torch.Tensor | None]  # (as last set, for the leaves over this storage)
+    _leaf_grad_mode: tuple[torch.dtype | None, torch.Tensor | None]  # (as last set, for these leaves)
 
-    def accumulate_leaves_wide(self, wide: bool) -> None:
-        """At each backward: ``wide`` (the first of several backwards accumulating
-        without synchronization) makes the leaves take their gradients in the reduce
-        dtype, autograd casting each contribution (a tied weight's two) before summing
-        them, as torch 2.15 does (its leaf has no gradient yet and the reduce dtype as
-        ``grad_dtype``; later backwards add to that gradient the compute dtype's sum).
-        Otherwise, and before 2.15, in the compute dtype, cast once at the deposit."""
+    def set_leaf_grad_dtypes(self, reduces: bool) -> None:
+        """At each backward: the dtype the unsharded leaves take their gradients in, as
+        the installed torch's ``fully_shard`` does (``_compat.TORCH``).
+
+        - torch 2.15, a reduce dtype wider than the compute dtype (bf16 parameters,
+          float32 reduce): in the first of several backwards accumulating without
+          synchronization, the reduce dtype (the leaves' ``grad_dtype``: autograd casts
+          each contribution, a tied weight's two, before summing them); in the others
+          (the one that reduces, later accumulating ones) each op's own dtype
+          (``grad_dtype=None``: autograd sums a leaf's contributions in the dtype they
+          come in, and an op that computes a wider gradient keeps it, e.g. CPU's
+          ``rms_norm`` for a bf16 weight: float32, summed over the batch in float32);
+        - torch 2.15, any other reduce dtype: that dtype (a narrower one casts each
+          contribution, as torch's leaf whose ``grad_dtype`` is the reduce dtype);
+        - before 2.15: the compute dtype, cast to the reduce dtype once at the deposit.
+        Leaves are left as built until some backward changes them."""
         b = self.bucket
-        wide = wide and TORCH.accumulates_in_reduce_dtype and b.reduce_dtype != b.compute_dtype
-        if self._leaves_wide[1] is not b.unsharded_flat:  # new leaves (new storage): as built
-            self._leaves_wide = (False, b.unsharded_flat)
-        if self._leaves_wide[0] == wide:
-            return  # untouched unless some backward widens them (never before torch 2.15)
-        self._leaves_wide = (wide, b.unsharded_flat)
+        wider = b.reduce_dtype.itemsize > b.compute_dtype.itemsize
+        first_accumulating = not reduces and not self.is_accumulating()
+        mode: torch.dtype | None = b.compute_dtype  # the leaves' own: as built
+        if TORCH.accumulates_in_reduce_dtype and (not wider or first_accumulating):
+            mode = b.reduce_dtype
+        elif wider and TORCH.reduce_keeps_computed_grad_dtype:
+            mode = None
+        if self._leaf_grad_mode[1] is not b.unsharded_flat:  # new leaves (new storage): as built
+            self._leaf_grad_mode = (b.compute_dtype, b.unsharded_flat)
+        if self._leaf_grad_mode[0] == mode:
+            return
+        self._leaf_grad_mode = (mode, b.unsharded_flat)
         for p in self.params:
             leaf = p.unsharded
             if p.tp is None and leaf is not None and leaf.requires_grad and p.bucket is b:
-                dtype = b.reduce_dtype if wide else leaf.dtype
-                if leaf.grad is not None and leaf.grad.dtype != dtype:
-                    leaf.grad = leaf.grad.to(dtype)  # e.g. computed after an ``unshard()``
-                leaf.grad_dtype = dtype
+                if mode is not None and leaf.grad is not None and leaf.grad.dtype != mode:
+                    leaf.grad = leaf.grad.to(mode)  # e.g. computed after an ``unshard()``
+                leaf.grad_dtype = mode
 
     def is_accumulating(self) -> bool:
         """Gradients of an earlier backward wait in the reduce input."""

@@ -64,7 +64,7 @@ class BucketReduce(Deposits):
         # HSDP with ``set_requires_all_reduce(False)``: this rank's reduced row, summed over
         # the shard ranks only, waiting for the next backward that all-reduces.
         self._unreplicated: torch.Tensor | None = None
-        self._leaves_wide: tuple[bool, torch.Tensor | None] = (False, None)
+        self._leaf_grad_mode: tuple[torch.dtype | None, torch.Tensor | None] = (None, None)
         self.user = bucket.user  # the group's ``set_*`` choices (hook, collective, zeros)
         # ``MixedPrecisionPolicy(quantize_reduce=...)``: the reduce's encoding, if any.
         spec = bucket.quant.reduce

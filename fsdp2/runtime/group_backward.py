@@ -51,7 +51,7 @@ class GroupBackward:
             self.unshard()
             self.wait_for_unshard()
         for b in self.buckets:
-            b.reduce.accumulate_leaves_wide(not self.requires_gradient_sync and not b.reduce.is_accumulating())
+            b.reduce.set_leaf_grad_dtypes(reduces=self.requires_gradient_sync)
         # Overlaps this group's backward compute; behind the reduce still in flight, so
         # its gathered parameters take the memory that reduce frees (fsdp2.comm.collectives).
         after = ctx.reduce_in_flight() if PREFETCH_BEHIND_REDUCE else None
