@@ -259,9 +259,6 @@ class FlatBucket:
     def unsharded_bytes(self) -> int:
         return self.unsharded_flat.untyped_storage().nbytes()
 
-    def gathered_bytes(self) -> int:  # its unsharded storage while gathered (0: it is the shards')
-        return 0 if self.gather_is_identity else self._unsharded_numel * self.unsharded_flat.element_size()
-
     def rebind(self) -> None:
         """Adopt whatever ``module._apply`` (``to_empty``, ``to``, ``double``...) put into
         the sharded parameters: copy their values into fresh flat storage on their new

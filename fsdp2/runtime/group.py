@@ -220,7 +220,10 @@ class ParamGroup(GroupBackward):
     def gathered_bytes(self) -> int:
         """Bytes its unsharded parameters take while gathered (none where the gathered
         parameters are the shards themselves: one rank, no dtype change)."""
-        return sum(b.gathered_bytes() for b in self.buckets)
+        return sum(
+            0 if b.gather_is_identity else b.unsharded_flat.numel() * b.unsharded_flat.element_size()
+            for b in self.buckets
+        )
 
     def end_of_gathered_block(self) -> None:
         """Reshard what a ``gathered`` block kept, once its own forward is done: also when
