@@ -35,34 +35,14 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples"), os.path.join(ROOT, "tools")]
 
-from model import ModelArgs, Transformer, rotary_tables
+from bench_weights import build  # the model sharded by either library, weights and rope tables set
+from model import ModelArgs, Transformer
 
 GLOO = ModelArgs(vocab_size=512, dim=256, n_layers=4, n_heads=4, hidden_dim=688, max_seq_len=32)
 BILLION = ModelArgs(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, hidden_dim=5632, max_seq_len=16)
 VARIANTS = ("torch fully_shard", "fsdp2 per forward", "fsdp2 gathered", "fsdp2 gathered, half")
-
-
-def build(lib_name: str, args: ModelArgs) -> torch.nn.Module:
-    if lib_name == "fsdp2":
-        import fsdp2 as lib
-    else:
-        import torch.distributed.fsdp as lib  # type: ignore[no-redef]
-    with torch.device("meta"):
-        model = Transformer(args)
-    for layer in model.layers:
-        lib.fully_shard(layer)
-    lib.fully_shard(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.to_local().fill_(1.0) if name.endswith("norm.weight") else p.to_local().normal_(0, 0.02)
-        cos, sin = rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
-        model.rope_cos.copy_(cos)  # buffers: to_empty left them uninitialized
-        model.rope_sin.copy_(sin)
-    return model.eval()
 
 
 @torch.no_grad()
@@ -110,7 +90,7 @@ def measure(args: ModelArgs, tokens: int, repeats: int) -> dict[str, dict[str, A
     from fsdp2._module import groups_under
     from fsdp2.memory.tracker import MemoryTracker
 
-    models = {"torch": build("torch", args), "fsdp2": build("fsdp2", args)}
+    models = {"torch": build("torch", args).eval(), "fsdp2": build("fsdp2", args).eval()}
     half = sum(g.gathered_bytes() for g in groups_under(models["fsdp2"])) // 2  # a budget of half the model
     prompts = torch.randint(
         0, args.vocab_size, (2, 4), generator=torch.Generator().manual_seed(dist.get_rank())

@@ -37,7 +37,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]
 
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, rotary_tables
 from rl_loop import GatherMeter, export_per_parameter, load_into
 
 EXAMPLE = ModelArgs()  # examples/train.py's default: dim 128, 4 layers, vocab 512
@@ -58,8 +58,11 @@ def build(lib_name: str, args: ModelArgs) -> torch.nn.Module:
     model.to_empty(device="cpu")
     torch.manual_seed(dist.get_rank())
     with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().normal_(0, 0.02)
+        for name, p in model.named_parameters():
+            p.to_local().fill_(1.0) if name.endswith("norm.weight") else p.to_local().normal_(0, 0.02)
+        cos, sin = rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
+        model.rope_cos.copy_(cos)  # buffers: to_empty left them uninitialized (a forward reads them)
+        model.rope_sin.copy_(sin)
     return model
 
 
