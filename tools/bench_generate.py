@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples"), os.path.join(ROOT, "tools")]
+sys.path[:0] = [ROOT, *(os.path.join(ROOT, d) for d in ("tests", "examples", "tools"))]
 
 from bench_weights import build  # the model sharded by either library, weights and rope tables set
 from model import ModelArgs, Transformer

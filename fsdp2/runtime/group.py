@@ -236,7 +236,8 @@ class ParamGroup(GroupBackward):
         if self.held_by_user or self.shard_state is ShardState.GATHERING:
             return
         raised = ctx is not None and ctx.needs_reset
-        if (self.training_state is TrainingState.IDLE or raised) and not (ctx is not None and ctx.in_backward):
+        in_backward = ctx is not None and ctx.in_backward
+        if (self.training_state is TrainingState.IDLE or raised) and not in_backward:
             self.reshard()
 
     def _kept_by_block(self) -> bool:
