@@ -10,7 +10,9 @@ that changed it, here and nowhere else.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -83,3 +85,12 @@ def stage_drives_fsdp_publicly() -> bool:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     return hasattr(_PipelineStageBase, "start_gradient_reduction")
+
+
+def spmd_types_package() -> Any:
+    """The optional ``spmd_types`` package (torchtitan's SPMD type annotations) if this
+    process imported it, else None. A tensor can carry an ``spmd_types`` type only once
+    the package is imported, so fsdp2 never imports it itself (~0.8 s) and reads it here
+    at each use: typed parameters are taken on every supported torch (torch's own
+    ``fully_shard`` takes them from 2.14)."""
+    return sys.modules.get("spmd_types")

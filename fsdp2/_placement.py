@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ._validate import check_tp_param, validate_dp_mesh_dims, validate_mesh, validate_spmd_param
 from .api import DataParallelMeshDims
 from .comm.mesh import SpmdDims, shard_size
+from .params.spmd_annotations import SpmdAnnotation, annotation_of
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class MeshTarget:
 class Placed(NamedTuple):
     dim: int  # the (non-negative) dim the parameter's local tensor is sharded on
     target: MeshTarget
+    annotation: SpmdAnnotation | None = None  # a plain parameter typed with spmd_types (SPMD meshes)
 
 
 def resolve_placements(
@@ -55,13 +57,16 @@ def resolve_placements(
     mesh's device type, spanning (with the parameter's own DTensor mesh) the data-parallel
     ranks of the default mesh, and placements the parameter can take."""
     targets: dict[Any, MeshTarget] = {}
-    placed = []
+    placed, seen = [], []
     for p in params:
         result = placement_fn(p) if placement_fn is not None else None
         placement, target = _split_result(result, fqns[p], default, targets)
-        placed.append(Placed(_dim(p, placement, fqns[p]), target))
-    for p, (_, target) in zip(params, placed):
-        _check_param_on(p, fqns[p], target)
+        annotation = annotation_of(p, fqns[p], target.spmd) if target.spmd is not None else None
+        # A typed plain parameter is checked as the DTensor it is taken as.
+        seen.append(p if annotation is None else annotation.as_dtensor(p))
+        placed.append(Placed(_dim(seen[-1], placement, fqns[p]), target, annotation))
+    for p, as_placed, pl in zip(params, seen, placed):
+        _check_param_on(as_placed, fqns[p], pl.target)
     _check_covers_data_parallel(params, fqns, placed, default)
     return placed
 

@@ -241,9 +241,10 @@ def validate_spmd_param(p: torch.Tensor, fqn: str, spmd: SpmdDims) -> None:
     names = spmd.mesh.mesh_dim_names
     if not isinstance(p, DTensor):
         raise ValueError(
-            f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a plain tensor; every parameter must "
-            f"already be a DTensor on the full mesh {names} (distribute_tensor / distribute_module), "
-            "with Replicate() on the data-parallel dims"
+            f"fully_shard(dp_mesh_dims=...): parameter {fqn} is a plain tensor with no spmd_types type; "
+            f"every parameter must already be a DTensor on the full mesh {names} (distribute_tensor / "
+            "distribute_module) with Replicate() on the data-parallel dims, or a plain tensor typed on that "
+            "mesh with spmd_types.assert_type (torchtitan's spmd_types backend)"
         )
     if p.device_mesh != spmd.mesh:
         raise ValueError(

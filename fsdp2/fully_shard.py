@@ -120,7 +120,9 @@ def fully_shard(
 
     device = mesh_device(mesh)
     infos = {t: MeshInfo.from_mesh(t.mesh, t.spmd) for t in targets}
-    fsdp_params = [FSDPParam(fqns[p], owners[p], p, infos[pl.target], pl.dim) for p, pl in zip(params, placed)]
+    fsdp_params = [
+        FSDPParam(fqns[p], owners[p], p, infos[pl.target], pl.dim, pl.annotation) for p, pl in zip(params, placed)
+    ]
     for fp, (gathered, grad, explicit) in zip(fsdp_params, dtypes):
         fp.policy_dtype, fp.grad_dtype, fp.explicit_grad_dtype = gathered, grad, explicit
     shard_device = torch.device("meta") if any(p.device.type == "meta" for p in params) else device

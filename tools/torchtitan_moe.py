@@ -78,7 +78,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.spmd_types import annotate_input_spmd_types
-from torchtitan.models import deepseek_v3, qwen3
+from torchtitan.models import deepseek_v3, llama3, qwen3
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 
@@ -86,6 +86,31 @@ import fsdp2
 import fsdp2.patch
 
 tt_parallel_dims.device_type = "cpu"  # torchtitan falls back to "cuda" when no accelerator is found
+
+
+class _GlooDist(types.ModuleType):
+    """``torch.distributed`` as spmd_types' collectives see it (``spmd_types.set_dist``),
+    with a list all-to-all of uneven pieces (expert parallel's token exchange under the
+    spmd_types backend) run as one ``all_to_all_single`` with splits: gloo's list
+    all-to-all takes equal sizes only. Both libraries' runs use it."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_to_all(outputs: list, inputs: list, group: Any = None, async_op: bool = False) -> Any:
+        if async_op:
+            raise NotImplementedError("the tool's gloo all_to_all is synchronous")
+        flat_in = torch.cat([t.reshape(-1) for t in inputs])
+        flat_out = flat_in.new_empty(sum(t.numel() for t in outputs))
+        dist.all_to_all_single(flat_out, flat_in, [t.numel() for t in outputs], [t.numel() for t in inputs],
+                               group=group)  # fmt: skip
+        for t, piece in zip(outputs, flat_out.split([t.numel() for t in outputs])):
+            t.copy_(piece.view_as(t))
+        return None
+
+
+spmd.set_dist(_GlooDist("torch.distributed"))
 
 
 def qwen3_config(experts: int, layers: int, attn: str) -> qwen3.Qwen3Model.Config:
@@ -133,7 +158,23 @@ def deepseek_v3_config(experts: int, layers: int, attn: str) -> deepseek_v3.Deep
     )
 
 
+def llama3_config(experts: int, layers: int, attn: str) -> llama3.Llama3Model.Config:
+    """llama3's ``_debugmodel`` (dense) at CPU size; ``experts`` is unused."""
+    head_dim = 16
+    return llama3.Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)),
+        layers=llama3._build_llama3_layers(
+            fuse_qkv=True, n_layers=layers, dim=DIM, n_heads=4, hidden_dim=128, attn_backend=attn,
+            rope=ComplexRoPE.Config(dim=head_dim, max_seq_len=SEQ, theta=500000, scaling="llama"),
+        ),
+    )  # fmt: skip
+
+
 MODELS = {
+    "llama3": (llama3_config, llama3.parallelize_llama),
     "qwen3": (qwen3_config, qwen3.parallelize_qwen3),
     "deepseek_v3": (deepseek_v3_config, deepseek_v3.parallelize_deepseekv3),
 }
@@ -165,12 +206,14 @@ def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
             tensor.copy_(source)
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of step ``step``'s global batch: (inputs, labels)."""
+def batch(step: int, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's slice of step ``step``'s global batch: (inputs, labels);
+    the tensor-parallel ranks of one data-parallel rank take the same slice."""
+    replicas = WORLD // dims.tp
     tokens = torch.randint(
-        VOCAB, (WORLD * LOCAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step)
+        VOCAB, (replicas * LOCAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step)
     )
-    mine = tokens.chunk(WORLD)[rank]
+    mine = tokens.chunk(replicas)[dist.get_rank() // dims.tp]  # torchtitan's mesh: tp innermost
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -190,12 +233,12 @@ def run(
     """Build, parallelize (torchtitan's function, ``lib``'s fully_shard) and train ``args.steps`` steps."""
     parallelism = ParallelismConfig(
         data_parallel_replicate_degree=dims.dp_replicate, data_parallel_shard_degree=dims.dp_shard,
-        expert_parallel_degree=dims.ep, spmd_backend=args.spmd_backend,
+        tensor_parallel_degree=dims.tp, expert_parallel_degree=dims.ep, spmd_backend=args.spmd_backend,
     )  # fmt: skip
     config = model_config(args, parallelism)
     with torch.device("meta"):
         model = config.build()
-    training = TrainingConfig(local_batch_size=LOCAL_BATCH, seq_len=SEQ, mixed_precision_param="float32")
+    training = TrainingConfig(local_batch_size=LOCAL_BATCH, seq_len=SEQ, mixed_precision_param=args.param_dtype)
     with fsdp2.patch.applied() if lib == "fsdp2" else contextlib.nullcontext():  # the launcher's rebinding
         model = MODELS[args.model][1](
             model, parallel_dims=dims, training=training, parallelism=parallelism,
@@ -212,29 +255,33 @@ def run(
         model.init_weights(buffer_device=None)  # torchtitan's init, then the shared weights
     load_full(model, full)
     model.train()
-    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=VOCAB))  # spmd_types' loss-parallel CE
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=args.foreach)
     placements = {
         name: f"{p.device_mesh.mesh_dim_names} {p.placements}" if isinstance(p, DTensor) else "local"
         for name, p in model.named_parameters()
     }
-    train_context = dist_utils.get_spmd_context(parallel_dims=dims)
+    train_context = dist_utils.get_spmd_context(parallel_dims=dims, spmd_typechecking=args.typecheck)
     records: list[dict] = []
     for step in range(args.steps):
-        inputs, labels = batch(step, dist.get_rank())
-        tokens = dist_utils.dist_sum_tensor(torch.tensor(labels.numel()), dims.get_mesh("batch"))
+        inputs, labels = batch(step, dims)
+        tokens = torch.tensor(labels.numel() * WORLD // dims.tp)  # the global count (equal batches)
         inputs, labels, kwargs = prepare(dims, inputs, labels)
-        with CommCounter().active() as counter, train_context():
-            loss, _ = loss_fn(model(inputs, **kwargs), labels, tokens)
-            with spmd.no_typecheck():
-                loss.backward()
+        with CommCounter().active() as counter:
+            with train_context():  # as torchtitan's forward_backward_step: the step outside it
+                loss, _ = loss_fn(model(inputs, **kwargs), labels, tokens)
+                with spmd.no_typecheck():
+                    loss.backward()
             norm = dist_utils.clip_grad_norm_(
                 list(model.parameters()), max_norm=1e9, foreach=args.foreach, ep_enabled=dims.ep_enabled
             )
             optimizer.step()
             optimizer.zero_grad()
         global_loss = (loss.to_local() if isinstance(loss, DTensor) else loss).detach().clone()
-        dist.all_reduce(global_loss)  # each rank's loss is its token sum over the global count
+        # each data-parallel rank's loss is its token sum over the global count (the same
+        # on the tensor-parallel ranks of one data-parallel rank)
+        dist.all_reduce(global_loss)
+        global_loss /= dims.tp
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         comm = dict(sorted(counter.calls.items()))
         records.append({"loss": global_loss.item(), "norm": norm.item(), "comm": comm})
@@ -277,6 +324,11 @@ def main() -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3")
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--dp-replicate", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree (llama3)")
+    parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="torchtitan's mixed_precision_param (reduce stays float32)")
+    parser.add_argument("--typecheck", action="store_true",
+                        help="forward under spmd_types' type checking (spmd_types backend)")
     parser.add_argument("--ac", action="store_true", help="torchtitan's full activation checkpointing")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lib", choices=["fsdp2", "torch", "both"], default="both")
@@ -293,7 +345,7 @@ def main() -> int:
     dist_utils.set_spmd_backend(args.spmd_backend)
     assert dist.get_world_size() == WORLD, "launch with --nproc-per-node 4"
     dims = ParallelDims(
-        dp_replicate=args.dp_replicate, dp_shard=-1, cp=1, tp=1, pp=1, ep=args.ep,
+        dp_replicate=args.dp_replicate, dp_shard=-1, cp=1, tp=args.tp, pp=1, ep=args.ep,
         world_size=WORLD, spmd_backend=args.spmd_backend,
     )  # fmt: skip
     dims.build_mesh()
@@ -305,8 +357,9 @@ def main() -> int:
     results = run_libraries(run, args, dims, full)
     ok = True
     if dist.get_rank() == 0:
-        print(f"== {args.model} ep={args.ep} dp_replicate={args.dp_replicate} ac={args.ac} "
-              f"spmd_backend={args.spmd_backend} experts={args.experts}")  # fmt: skip
+        print(f"== {args.model} ep={args.ep} tp={args.tp} dp_replicate={args.dp_replicate} ac={args.ac} "
+              f"spmd_backend={args.spmd_backend} param_dtype={args.param_dtype} typecheck={args.typecheck} "
+              f"experts={args.experts}")  # fmt: skip
         ok = report(results)
         if args.json:
             args.json.write_text(

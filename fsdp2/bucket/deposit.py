@@ -69,7 +69,7 @@ class Deposits:
         self._leaf_grad_mode = (mode, b.unsharded_flat)
         for p in self.params:
             leaf = p.unsharded
-            if p.tp is None and leaf is not None and leaf.requires_grad and p.bucket is b:
+            if p.has_plain_leaf and leaf is not None and leaf.requires_grad and p.bucket is b:
                 if mode is not None and leaf.grad is not None and leaf.grad.dtype != mode:
                     leaf.grad = leaf.grad.to(mode)  # e.g. computed after an ``unshard()``
                 leaf.grad_dtype = mode

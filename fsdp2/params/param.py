@@ -29,6 +29,7 @@ from .dtensor import (
     concatenate_meshes, contiguous_stride, make_dtensor, make_parameter, spec_where_it_is, spmd_placements,
 )
 from .layout import ShardLayout
+from .spmd_annotations import SpmdAnnotation
 from .subclass import KeepObject, SubclassWrapper, has_extension, late_wrapper
 
 # id(unsharded leaf) -> its FSDPParam (weakly), to tell an optimizer that was handed the
@@ -66,9 +67,20 @@ class FSDPParam:
     together, and its unsharded leaf is the TP DTensor again."""
 
     def __init__(
-        self, fqn: str, owners: list[tuple[nn.Module, str]], param: torch.Tensor, info: MeshInfo, dim: int
+        self,
+        fqn: str,
+        owners: list[tuple[nn.Module, str]],
+        param: torch.Tensor,
+        info: MeshInfo,
+        dim: int,
+        annotation: SpmdAnnotation | None = None,
     ) -> None:
         self.fqn = fqn
+        # A plain parameter typed with spmd_types: sharded as the DTensor its type
+        # describes, shown to the model as a plain tensor typed again.
+        self.annotation = annotation
+        if annotation is not None:
+            param = annotation.as_dtensor(param)
         self.comm = info  # the mesh it is sharded over (its bucket's)
         self.owners = owners  # every (module, attribute) registering this parameter (tied weights)
         self.shape = param.shape  # the global shape, as the DTensors report it
@@ -245,7 +257,7 @@ class FSDPParam:
     def set_unsharded(self, view: torch.Tensor) -> None:
         """A new unsharded leaf over ``view`` (at build time and after ``rebind``)."""
         requires_grad = self.sharded.requires_grad if self.sharded is not None else False
-        if self.tp is not None:
+        if self.tp is not None and self.annotation is None:
             view = DTensor.from_local(
                 view, self.tp[0], self.tp[1], run_check=False, shape=self.shape, stride=self.stride
             )
@@ -299,6 +311,8 @@ class FSDPParam:
             return grad
         if grad is None:
             grad, self._tp_pending = self._tp_pending, None
+        elif self.annotation is not None:
+            grad = self.annotation.grad_dtensor(grad, self.shape, self.stride)
         assert isinstance(grad, DTensor), f"fsdp2 internal error: local gradient for TP parameter {self.fqn}"
         # The data-parallel dims of an SPMD mesh stay as they are (a Partial there is
         # what the reduce sums); the others go to the parameter's own placements.
@@ -324,6 +338,12 @@ class FSDPParam:
         self.discard_unsharded_grad()
         if self.sharded is not None:
             self.sharded.grad = None
+
+    @property
+    def has_plain_leaf(self) -> bool:
+        """The unsharded leaf is a plain tensor (not a DTensor): no tensor-parallel
+        placements, or typed with spmd_types instead."""
+        return self.tp is None or self.annotation is not None
 
     @property
     def has_unsharded_grad(self) -> bool:

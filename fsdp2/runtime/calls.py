@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from ..params.spmd_annotations import register_local_function
 from .tree import collect_tensors, map_tensors
 
 
@@ -79,9 +80,23 @@ class BackwardCalls:
             self.reduce_at_finalize = True
             return args, kwargs
         outs = _PostBackward.apply(group, *inputs)
-        self.pending += 1
+        self._count_node(outs)
         routed = dict(zip(map(id, inputs), outs))
         return map_tensors((args, kwargs), lambda t: routed.get(id(t), t))
+
+    def _count_node(self, outs: tuple) -> None:
+        """Count the node this call's outputs come from, and only that one: a type
+        checker may run the function again on stand-ins (``spmd_types``' global mode
+        does, on meta DTensors), whose nodes are freed at once and must not count as
+        dropped. Where the outputs carry no node of ours to read, the end of backward
+        runs the post-backward instead."""
+        count = getattr(getattr(outs[0], "grad_fn", None), "count", None) if outs else None
+        if count is None:
+            self.reduce_at_finalize = True
+            return
+        count[0] = True
+        self.pending += 1
+        weakref.finalize(outs[0].grad_fn, _node_freed, self, count)
 
     def hook_outputs(self, output: Any, hook: Any) -> None:
         """Call ``hook`` when the first gradient of the call's outputs arrives."""
@@ -122,6 +137,7 @@ def _async_requiring_grad(t: torch.Tensor) -> bool:
     return t.requires_grad and isinstance(t, AsyncCollectiveTensor)
 
 
+@register_local_function
 class _Settle(torch.autograd.Function):
     """Identity on values: an ``AsyncCollectiveTensor`` in, its waited plain tensor out (a
     new tensor, not a view made inside this node, so the block may modify it in place)."""
@@ -151,6 +167,7 @@ def _node_freed(calls: BackwardCalls, count: list) -> None:
         calls.dropped(count[1])
 
 
+@register_local_function
 class _PostBackward(torch.autograd.Function):
     """Autograd node in front of one forward call of a module: it passes the call's
     inputs that require grad through, and its backward runs once their gradients are
@@ -175,10 +192,10 @@ class _PostBackward(torch.autograd.Function):
         group = inputs[0]
         ctx.group = group
         ctx.set_materialize_grads(False)
-        # [still counted, generation]; cleared when backward runs, else the finalizer
-        # tells the group when the graph is freed without a backward.
-        ctx.count = [True, group.calls.generation]
-        weakref.finalize(ctx, _node_freed, group.calls, ctx.count)
+        # [still counted, generation]: counted once ``BackwardCalls.route_inputs`` claims
+        # the node; cleared when backward runs, else its finalizer tells the group when
+        # the graph is freed without a backward.
+        ctx.count = [False, group.calls.generation]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:

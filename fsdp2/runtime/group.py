@@ -44,6 +44,7 @@ from ..bucket.user_comm import UserComm
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from ..params.shared import SharedParam
+from ..params.spmd_annotations import paused_typecheck
 from .calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
 from .gathered import GatheredBlock
 from .group_backward import GroupBackward
@@ -94,6 +95,8 @@ class ParamGroup(GroupBackward):
         self.params = params
         for p in params:
             p.group = weakref.ref(self)
+        # Parameters typed with spmd_types, and their types (restored at each pre_forward).
+        self.typed_params = [(p, p.annotation) for p in params if p.annotation is not None]
         self.modules = modules
         self.comm = comm
         self.mp_policy = mp_policy
@@ -281,6 +284,27 @@ class ParamGroup(GroupBackward):
         ctx = self.ctx
         assert ctx is not None, "fsdp2 internal error: forward before lazy init"
         recompute = ctx.in_backward  # activation checkpointing re-runs forward in backward
+        with paused_typecheck():  # our gathers and copies; the model's tensors stay typed
+            self._gather_for_forward(module, ctx, recompute)
+        for p, annotation in self.typed_params:
+            annotation.restore(p.unsharded)
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = settle_async_inputs(args, kwargs)
+        if self.direct or not torch.is_grad_enabled() or not any(b.reduce.has_reduced_params() for b in self.buckets):
+            return args, kwargs
+        if recompute:
+            # A reentrant checkpoint's recompute, whose forward ran without grad: its
+            # gradients reach the leaves inside this backward, with no node counted.
+            # (A non-reentrant recompute only refills saved tensors: its group has nodes.)
+            self.calls.reduce_at_finalize = self.calls.reduce_at_finalize or self.calls.pending == 0
+            return args, kwargs
+        return self.calls.route_inputs(self, args, kwargs)
+
+    def _gather_for_forward(self, module: nn.Module, ctx: StepContext, recompute: bool) -> None:
+        """Gather the parameters (afresh if the shards changed while they were kept) and
+        prefetch the next groups' on the first of the group's modules."""
         # The group's forward begins (not a later module of the same group forward, e.g.
         # the head of [final norm, embedding, head]: its next group ran and was freed).
         begins = self.training_state is not TrainingState.FORWARD or id(module) in self._forwarded
@@ -304,19 +328,6 @@ class ParamGroup(GroupBackward):
         if not recompute and begins:  # a recompute runs backward's order: the next layer is done
             for target in ctx.forward_prefetch_targets(self):
                 target.unshard()
-        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        if torch.is_grad_enabled():
-            args, kwargs = settle_async_inputs(args, kwargs)
-        if self.direct or not torch.is_grad_enabled() or not any(b.reduce.has_reduced_params() for b in self.buckets):
-            return args, kwargs
-        if recompute:
-            # A reentrant checkpoint's recompute, whose forward ran without grad: its
-            # gradients reach the leaves inside this backward, with no node counted.
-            # (A non-reentrant recompute only refills saved tensors: its group has nodes.)
-            self.calls.reduce_at_finalize = self.calls.reduce_at_finalize or self.calls.pending == 0
-            return args, kwargs
-        return self.calls.route_inputs(self, args, kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         ctx = self.ctx
@@ -326,24 +337,30 @@ class ParamGroup(GroupBackward):
         self._forwarded.add(id(module))
         if len(self._forwarded) == len(self.modules):
             self._forwarded.clear()
-            if self.held_by_user or self._kept_by_block():
-                pass  # gathered by unshard() for the caller's own computations, or a gathered block: kept
-            elif torch.is_grad_enabled():
-                self._reshard_after_forward()
-            elif self.reshard_after_forward is True:
-                self.reshard()  # no backward follows: the kept last block is not kept
-            else:
-                # False (the root's default) or an int, as after a forward with grad: a
-                # group kept gathered stays so across no-grad forwards (every token of a
-                # generation) until the next backward, reshard() or optimizer step.
-                self._reshard_after_forward()
-            if self.shard_state is not ShardState.SHARDED and not self.held_by_user:
-                for b in self.buckets:
-                    b.kept.note()  # checked at the next forward (``pre_forward``)
-            self.training_state = TrainingState.IDLE
+            with paused_typecheck():
+                self._end_forward()
         if torch.is_grad_enabled():
-            self.calls.hook_outputs(output, self._pre_backward_hook)
+            with paused_typecheck():  # registering hooks computes nothing on the model's values
+                self.calls.hook_outputs(output, self._pre_backward_hook)
         return self._cast_output(output)
+
+    def _end_forward(self) -> None:
+        """The last of the group's modules ran forward: reshard or keep the parameters."""
+        if self.held_by_user or self._kept_by_block():
+            pass  # gathered by unshard() for the caller's own computations, or a gathered block: kept
+        elif torch.is_grad_enabled():
+            self._reshard_after_forward()
+        elif self.reshard_after_forward is True:
+            self.reshard()  # no backward follows: the kept last block is not kept
+        else:
+            # False (the root's default) or an int, as after a forward with grad: a
+            # group kept gathered stays so across no-grad forwards (every token of a
+            # generation) until the next backward, reshard() or optimizer step.
+            self._reshard_after_forward()
+        if self.shard_state is not ShardState.SHARDED and not self.held_by_user:
+            for b in self.buckets:
+                b.kept.note()  # checked at the next forward (``pre_forward``)
+        self.training_state = TrainingState.IDLE
 
     def _cast_output(self, output: Any) -> Any:
         """Cast as the policy says, in forward and in a checkpoint's recompute alike."""

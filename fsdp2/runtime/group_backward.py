@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..bucket.bucket import FlatBucket
+from ..params.spmd_annotations import paused_typecheck, pausing_typecheck
 from .calls import BackwardCalls
 from .group_setup import ShardState, TrainingState
 
@@ -40,7 +41,8 @@ class GroupBackward:
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.calls.started += 1
-        self.pre_backward()
+        with paused_typecheck():
+            self.pre_backward()
 
     def pre_backward(self) -> None:
         ctx = self.ctx
@@ -59,6 +61,7 @@ class GroupBackward:
             target.unshard(after)
         ctx.free_unreferenced(self)
 
+    @pausing_typecheck
     def post_backward_node(self, counted: bool) -> None:
         """``_PostBackward.backward``: one forward call's backward is complete."""
         if self.ctx is not None:

@@ -16,6 +16,7 @@ from ..bucket.bucket import FlatBucket
 from ..bucket.commit import run_post_accumulate_hooks
 from ..optim import local_step
 from ..params.shared import raise_deferred
+from ..params.spmd_annotations import paused_typecheck, pausing_typecheck
 from .adopt import adopt_reassigned
 from .finalize import GradientReductionHandle, ManualFinalization
 from .group import ParamGroup, ShardState, TrainingState
@@ -77,6 +78,14 @@ class FSDPState:
             ctx.needs_reset = True
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        with paused_typecheck():
+            ctx = self._begin_forward()
+        if not ctx.in_backward:  # a recompute may stop early, without its post_forward
+            ctx.active_forwards += 1
+        return self.group.pre_forward(self.module, args, kwargs)
+
+    def _begin_forward(self) -> RootContext:
+        """Lazy init at the first forward; a root forward starts the step."""
         ctx = self.group.ctx
         if ctx is None:
             ctx = RootContext.lazy_init(self)
@@ -88,9 +97,7 @@ class FSDPState:
             if any(g.unfinished_steps for g in ctx.groups):
                 local_step.repair_owned(ctx.groups)  # an optimizer step of this model raised midway
             ctx.start_iteration()
-        if not ctx.in_backward:  # a recompute may stop early, without its post_forward
-            ctx.active_forwards += 1
-        return self.group.pre_forward(self.module, args, kwargs)
+        return ctx
 
     def call_registered(self, method: Any, args: tuple, kwargs: dict) -> Any:
         """A method registered with ``register_fsdp_forward_method`` (``generate``), inside
@@ -122,7 +129,8 @@ class FSDPState:
         ctx.active_forwards -= 1
         output = self.group.post_forward(self.module, output)
         if ctx.root is self.group:
-            ctx.end_forward()
+            with paused_typecheck():
+                ctx.end_forward()
         return output
 
 
@@ -246,7 +254,7 @@ class RootContext(ManualFinalization):
         if not self.in_backward:
             self.in_backward = True
             self.start_manual_iteration()
-            Variable._execution_engine.queue_callback(self.end_backward)
+            Variable._execution_engine.queue_callback(pausing_typecheck(self.end_backward))
 
     def keeps_for_backward(self, group: ParamGroup) -> bool:
         """With the default ``reshard_after_forward=None``, the last group to run forward
