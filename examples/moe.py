@@ -17,10 +17,9 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
+from model import MoE
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-
-from model import MoE
 
 
 class MoEMeshes(NamedTuple):

@@ -81,10 +81,10 @@ with the same parameters as an uninterrupted run. ``FSDP2_EXAMPLE_FAIL_AT=K`` ma
 from __future__ import annotations
 
 import argparse
-import math
 import dataclasses
 import functools
 import importlib
+import math
 import os
 import re
 import resource
@@ -101,7 +101,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from data import VOCAB, TextData  # noqa: E402
-from model import MoE, ModelArgs, Transformer, TransformerStage, init_weights  # noqa: E402
+from model import ModelArgs, MoE, Transformer, TransformerStage, init_weights  # noqa: E402
 from moe import expert_placement_fn, moe_meshes, moe_tp_plan, parallelize_experts, scale_expert_grads  # noqa: E402
 
 # Schedules with two stages per rank, and which of them place them as a V.

@@ -14,7 +14,7 @@ from .fully_shard import fully_shard
 from .memory.held import held_bytes, release_memory
 from .optim import clip_grad_norm_
 from .params.state_dict import StateDictError
-from .planning import plan
+from .planning import plan as plan  # fsdp2.plan, not in torch's __all__
 from .runtime.finalize import GradientReductionHandle
 from .weights import full_weights, gathered, register_gathered_method
 

@@ -55,8 +55,8 @@ def fully_shard(
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, torch's signature
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, torch's signature
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:

@@ -67,8 +67,9 @@ def train(steps: int) -> tuple[float, int]:
 def gathered_generation(tokens: int) -> int:
     """All-gathers of ``tokens`` no-grad forwards of a model sharded with torch's names
     (fsdp2's under the launcher) inside the one line ``fsdp2.gathered`` takes."""
-    import fsdp2
     from _comm import CommCounter
+
+    import fsdp2
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))

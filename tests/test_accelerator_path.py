@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_scenarios
 from _models import worst as _worst
 

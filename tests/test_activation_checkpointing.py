@@ -21,10 +21,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
 from _dist import run_ranks
 from _models import ToyModel, batch, full_params, impl, loss_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 STEPS = 2
 RTOL, ATOL = 1e-10, 1e-12

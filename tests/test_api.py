@@ -7,11 +7,11 @@ import pickle
 
 import torch
 import torch.nn as nn
+from _dist import run_ranks
+from _models import ToyModel, batch, loss_fn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp2
-from _dist import run_ranks
-from _models import ToyModel, batch, loss_fn
 
 
 def _names_worker(rank: int, world: int) -> dict:

@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.nn as nn
-
 from _dist import run_scenarios
 from _models import full_params, impl
 from _models import worst as _worst

@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-
 from _dist import run_ranks
 from _models import impl
 from _models import worst as _worst
 from test_muon import Net, _batch, _build, _dp_rank_size
+from torch.distributed.device_mesh import init_device_mesh
 
 WORLD = 4
 NORMS = (2.0, 1.0, 3.0, math.inf, 0.0)  # 0: torch's count of tensors with a non-zero element

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from _dist import run_ranks
+
 from fsdp2.comm.collectives import reduce_scatter_flat, wait_pending
 
 N = 37  # per-rank columns; the last 5 are written alike on every row (flags, scalars)

@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-
 from _dist import run_ranks
 from _models import ToyModel, batch, full_params, impl, loss_fn
+from torch.distributed.device_mesh import init_device_mesh
 
 LIBS = ("fsdp2", "torch")
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _dist import run_ranks
 from _models import full_params, impl
 

@@ -77,12 +77,12 @@ _SIZES = {"steps", "batch_size", "seq_len", "dim", "layers", "heads", "vocab", "
 COVERED_ELSEWHERE = {frozenset({("hsdp", 2)}): "tests/test_nd_meshes.py"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _defaults() -> dict[str, Any]:
     return vars(_check_train_args([], 1))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tested() -> frozenset:
     import test_train_example
 

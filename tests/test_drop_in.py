@@ -14,10 +14,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
-
 from _dist import run_ranks
 from _models import ToyModel, batch, full_params, impl, loss_fn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 LIBS = ("fsdp2", "torch")
 

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
+from _dist import run_ranks
+from _models import ToyModel, batch, loss_fn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from _dist import run_ranks
-from _models import ToyModel, batch, loss_fn
 
 
 def _expect(fn, exc: type[BaseException], fragment: str) -> str:  # noqa: ANN001
@@ -37,7 +37,6 @@ _NewerTorchPolicy.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_api"
 
 def _fully_shard_errors(rank: int, world: int) -> dict[str, str]:
     out: dict[str, str] = {}
-    mesh = init_device_mesh("cpu", (world,))
     mesh3d = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("a", "b", "c"))
     unnamed2d = init_device_mesh("cpu", (1, world))
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from _tp_model import TPModel, parallelize
 
 WORLD = 512

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_ranks
 from _models import full_params, impl
 

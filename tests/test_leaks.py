@@ -10,10 +10,10 @@ import weakref
 
 import pytest
 import torch
-
-import fsdp2
 from _dist import cached_outcome, run_ranks, run_scenarios
 from _models import ToyModel, batch, full_params, loss_fn
+
+import fsdp2
 
 
 class _Mallinfo2(ctypes.Structure):

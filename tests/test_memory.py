@@ -28,7 +28,7 @@ def _gathered_bytes(module: nn.Module) -> int:
 
 
 def _grads_match(model: nn.Module, ref: nn.Module, scale: float = 1.0) -> bool:
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+    for p, r in zip(model.parameters(), ref.parameters()):
         if (p.grad is None) != (r.grad is None):
             return False
         if p.grad is not None and not torch.allclose(p.grad.full_tensor(), scale * r.grad, rtol=1e-10, atol=1e-12):

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_ranks
 from _models import ToyModel, batch, full_params, impl, loss_fn
 from _models import worst as worst_error
+
 from fsdp2._compat import TORCH
 
 STEPS = 3

@@ -19,15 +19,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-
 from _comm import CommCounter
 from _dist import cached_outcome, run_ranks
 from _models import batch, full_params, impl, loss_fn
 from _models import worst as _worst
 from _moe_model import MoEModel, expert_params, parallelize_experts
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 WORLD = 4
 STEPS = 2

@@ -19,14 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.utils.flop_counter import FlopCounterMode
-
 from _comm import CommCounter
 from _dist import run_ranks
 from _models import impl
 from _models import worst as _worst
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.flop_counter import FlopCounterMode
 
 WORLD = 4
 # Two blocks: 4 matrices, one per rank on 4 ranks (two per rank in an HSDP replica); 4
@@ -194,8 +193,9 @@ def _fallback() -> dict[str, Any]:
     equal to ``torch.optim.Muon`` on the same DTensor."""
     import warnings
 
-    import fsdp2
     from torch.distributed.tensor import distribute_tensor
+
+    import fsdp2
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     g = torch.Generator().manual_seed(9)

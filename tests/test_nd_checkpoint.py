@@ -20,6 +20,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from _dist import run_ranks
+from _models import full_params, impl
+from _tp_model import TPModel, parallelize
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,10 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-
-from _dist import run_ranks
-from _models import full_params, impl
-from _tp_model import TPModel, parallelize
 
 VOCAB = 16
 RTOL, ATOL = 1e-10, 1e-12

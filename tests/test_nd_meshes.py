@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-
 from _comm import CommCounter
 from _dist import run_ranks
 from _models import ToyModel, batch, full_params, impl, loss_fn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 WORLD = 4
 # Two steps: the first (lazy init; AdamW's first update is about lr times the gradient's

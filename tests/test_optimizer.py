@@ -15,13 +15,12 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn as nn
+from _dist import cached_outcome, run_scenarios
+from _models import ToyModel, batch, full_params, loss_fn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fsdp2
-from _dist import cached_outcome, run_scenarios
-from _models import ToyModel, batch, full_params, loss_fn
-from fsdp2.optim import _plan, local_step
-from fsdp2.optim import local_step_stats
+from fsdp2.optim import _plan, local_step, local_step_stats
 from fsdp2.params.param import sharded_owner as _managed_by
 
 # The first step creates the optimizer's state (most classes), the second plans a flat

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from _comm import CommCounter
 from _dist import run_ranks
 from _models import impl
+
 from fsdp2._compat import stage_drives_fsdp_publicly
 
 VOCAB, DIM, HIDDEN, BLOCKS, MICRO_BATCHES, STEPS, PER_RANK_BATCH = 11, 6, 7, 4, 2, 2, 8

@@ -242,7 +242,7 @@ def _train(rank: int, world: int, lib_name: str) -> dict[str, Any]:
         ref_opt.zero_grad()
         losses.append(loss.detach().clone())
         ref_losses.append(ref_loss.item())
-    mean = [l.clone() for l in losses]
+    mean = [loss.clone() for loss in losses]
     for m in mean:
         dist.all_reduce(m)
     return {"losses": [m.item() / world for m in mean], "ref_losses": ref_losses,

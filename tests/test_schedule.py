@@ -132,7 +132,7 @@ def _prefetch_worker(rank: int, world: int, explicit: bool) -> dict:
     for i, block in enumerate(blocks):
         block.fc1.register_forward_pre_hook(forward_probe(i))
     ids, targets = batch(0, 2 * world)
-    for step in range(2):  # the first step records the order, the second prefetches
+    for _step in range(2):  # the first step records the order, the second prefetches
         seen_forward.clear()
         seen_backward.clear()
         loss_fn(model(ids.chunk(world)[rank]), targets.chunk(world)[rank]).backward()

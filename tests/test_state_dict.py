@@ -11,6 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from _comm import CommCounter
+from _dist import cached_outcome, run_ranks, run_scenarios
+from _models import ToyModel, batch, full_params, impl, loss_fn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,9 +24,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp2
-from _comm import CommCounter
-from _dist import cached_outcome, run_ranks, run_scenarios
-from _models import ToyModel, batch, full_params, impl, loss_fn
 
 
 class WithBuffers(ToyModel):

@@ -10,13 +10,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
-
 from _comm import CommCounter
 from _dist import cached_outcome, run_ranks
 from _models import full_params, impl
 from _tp_model import TPModel, parallelize
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 # Two steps: the first (lazy init; AdamW's first update is about lr times the gradient's
 # sign) and one in steady state, whose update depends on both steps' gradient magnitudes:

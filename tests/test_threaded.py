@@ -12,13 +12,12 @@ import copy
 from typing import Any
 
 import pytest
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-
 import test_extension
+import torch
 from _models import ToyModel, batch, full_params, impl, loss_fn
-from _threads import run_threads
 from _models import worst as _worst
+from _threads import run_threads
+from torch.distributed.device_mesh import init_device_mesh
 
 WORLD = 4
 LIBS = ("fsdp2", "torch")

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
-
 from _comm import CommCounter
 from _dist import cached_outcome, run_ranks, run_scenarios
-from fsdp2._compat import TORCH
 from _models import ToyModel, batch, full_params, impl, loss_fn, worst
+from torch.distributed.tensor import DTensor
+
+from fsdp2._compat import TORCH
 
 LIBS = ["fsdp2"] + (["torch"] if hasattr(impl("torch").FSDPModule, "finalize_backward") else [])
 MICRO = 3
@@ -202,9 +202,9 @@ def _grad_dtype(rank: int, world: int, lib_name: str) -> dict[str, tuple[str, st
 
 def _refusals(rank: int, world: int) -> dict[str, str]:
     """fsdp2's checks at ``fully_shard``, before anything changes."""
-    import fsdp2
-
     import _subclass
+
+    import fsdp2
 
     out = {}
     lin = torch.nn.Linear(4, 4)
@@ -242,8 +242,9 @@ def _direct_unused_zeros(rank: int, world: int, manual: bool) -> list[str]:
 def _hsdp_partial_refused(rank: int, world: int) -> str:
     """HSDP with ``set_requires_all_reduce(False)`` under manual finalization: refused,
     as torch 2.15 refuses it (the reduced rows would wait for a later all-reduce)."""
-    import fsdp2
     from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double()

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-
 from _dist import cached_outcome, run_ranks
 from _models import ToyModel, batch, copy_full_into_sharded, full_params, impl, loss_fn
 

@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
-
 from _comm import CommCounter
 from _dist import run_ranks
 from _models import ToyModel, batch, full_params, impl, loss_fn
+from torch.distributed.tensor import DTensor
 
 LIBS = ["fsdp2", "torch"]
 

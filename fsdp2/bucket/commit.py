@@ -147,7 +147,8 @@ class GradCommit:
 
 def _accumulate_grad(p: FSDPParam, local: torch.Tensor) -> None:
     param = p.sharded
-    assert param is not None
+    if param is None:
+        raise AssertionError("fsdp2 internal error: expected param is not None")
     if param.grad is None:
         param.grad = p.grad_dtensor(local)
     else:

@@ -118,7 +118,8 @@ class ExtensionGather:
     def finish(self) -> None:
         """Wait, lay each input's gathered rows out per parameter (and per rider), and
         (re)build the unsharded tensors through ``fsdp_post_all_gather``."""
-        assert self._pending is not None and self._buffers is not None, "fsdp2 internal error: no gather"
+        if self._pending is None or self._buffers is None:
+            raise AssertionError("fsdp2 internal error: no gather")
         b = self.bucket
         gathered = wait_pending(self._pending).view(b.comm.shard_size, -1)
         with traced("fsdp2::copy_out"):

@@ -70,7 +70,8 @@ class BucketGather:
         """A copy of the gathered rows of ranks ``[index*W/factor, (index+1)*W/factor)``
         (``self.target``)."""
         b = self.bucket
-        assert self.target is not None, "fsdp2 internal error: kept rows without a partial target"
+        if self.target is None:
+            raise AssertionError("fsdp2 internal error: kept rows without a partial target")
         factor, _, index = self.target
         rows = b.comm.shard_size // factor
         keep = torch.empty(rows * b.shard_numel, dtype=b.compute_dtype, device=b.device)
@@ -132,7 +133,8 @@ class BucketGather:
 
     def _start_in_place(self, shard: torch.Tensor) -> None:
         b = self.bucket
-        assert b.in_place is not None
+        if b.in_place is None:
+            raise AssertionError("fsdp2 internal error: expected b.in_place is not None")
         self._pending = b.in_place.start_gather(shard)
 
     def finish(self) -> None:
@@ -149,7 +151,8 @@ class BucketGather:
             return
         b.alloc_unsharded()
         if b.shard_numel > 0:
-            assert self._pending is not None, "fsdp2 internal error: no all-gather issued"
+            if self._pending is None:
+                raise AssertionError("fsdp2 internal error: no all-gather issued")
             output = wait_pending(self._pending)
             self._pending = None
             self.input = None

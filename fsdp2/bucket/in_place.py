@@ -102,7 +102,8 @@ class InPlace:
                 shard = shard.to(b.compute_dtype)
             sizes = [p.shard_numel for p in b.sharded_params]
             torch.split_with_sizes_copy(shard, sizes, out=self.own_rows())
-        assert self.gather_group is not None
+        if self.gather_group is None:
+            raise AssertionError("fsdp2 internal error: expected self.gather_group is not None")
         return all_gather_in_place(region, self.gather_group, b.comm.local.gather_queue, label=f"all-gather of {b.name}")
 
     # -------------------------------------------------------------------- reduce
@@ -183,7 +184,8 @@ class InPlace:
         """Wait for the reduce in storage; its staged gradients (None with ``discard``,
         after an exception: the storage is ours again either way)."""
         staged, self.staged = self.staged, None
-        assert staged is not None, "fsdp2 internal error: no reduce in storage issued"
+        if staged is None:
+            raise AssertionError("fsdp2 internal error: no reduce in storage issued")
         try:
             result = wait_future(staged, label)
         finally:

@@ -191,7 +191,8 @@ class BucketReduce(Deposits):
             buf[:, layout.flags_base : layout.numel].copy_(flags)
         label = f"reduce-scatter of {self.bucket.name}"
         if self._quantized():
-            assert self.quant is not None
+            if self.quant is None:
+                raise AssertionError("fsdp2 internal error: expected self.quant is not None")
             self._pending = self.quant.start(buf, layout, comm, label)
             return
         custom = self.user.reduce_scatter
@@ -220,7 +221,8 @@ class BucketReduce(Deposits):
 
     def finish(self) -> None:
         """Wait for the reduce and stage this rank's gradients for ``commit``."""
-        assert self._pending is not None, "fsdp2 internal error: no reduce-scatter issued"
+        if self._pending is None:
+            raise AssertionError("fsdp2 internal error: no reduce-scatter issued")
         in_place = self.bucket.in_place
         if in_place is not None and in_place.staged is not None:  # staged on gloo's thread
             staged = in_place.finish_reduce(self._pending.label)
@@ -270,7 +272,8 @@ class BucketReduce(Deposits):
         if not self._all_reduce:
             self._unreplicated = row.clone()
             return None
-        assert comm.replicate_group is not None
+        if comm.replicate_group is None:
+            raise AssertionError("fsdp2 internal error: expected comm.replicate_group is not None")
         wait_pending(all_reduce_in_place(row, comm.replicate_group, label=f"all-reduce of {self.bucket.name}"))
         return row
 

@@ -259,7 +259,8 @@ def reduce_scatter_flat(
         if debug_enabled():
             check_same_collective(group, label, input2d.numel())
         if method == "all_to_all":
-            assert scratch is not None, "fsdp2 internal error: all-to-all reduce without scratch"
+            if scratch is None:
+                raise AssertionError("fsdp2 internal error: all-to-all reduce without scratch")
             work = getattr(group, _ALL_TO_ALL_SINGLE)(_real(scratch), _real(input2d), [], [], _ALL_TO_ALL)
             return Pending(work, input2d[rank], label, rows=scratch)
         if method == "all_reduce":

@@ -51,10 +51,12 @@ class SpmdDims:
         """The data-parallel mesh to shard over (1-D, or ``(replicate, shard)``; the
         replicas alone for DDP) and the description of ``mesh``; names already validated."""
         names = mesh.mesh_dim_names
-        assert names is not None
+        if names is None:
+            raise AssertionError("fsdp2 internal error: expected names is not None")
         replicas = _flat(mesh, dims.replicate_names) if dims.replicate_names else None
         if not dims.shard_names:
-            assert replicas is not None
+            if replicas is None:
+                raise AssertionError("fsdp2 internal error: expected replicas is not None")
             dp = replicas
         else:
             shard = _flat(mesh, dims.shard_names)

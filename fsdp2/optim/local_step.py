@@ -145,7 +145,8 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, manage
     if not swaps:
         return
     mine = attached(optimizer, create=True)
-    assert mine is not None
+    if mine is None:
+        raise AssertionError("fsdp2 internal error: expected mine is not None")
     mine.reused_plans += reused
     mine.active = (swaps, threading.current_thread())  # first: repairable from here on
     _note_on_groups(optimizer, swaps)
@@ -178,7 +179,8 @@ def repair(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _undo(optimizer: torch.optim.Optimizer, mine: LocalSteps) -> list[_GroupSwap]:
-    assert mine.active is not None
+    if mine.active is None:
+        raise AssertionError("fsdp2 internal error: expected mine.active is not None")
     swaps, mine.active = mine.active[0], None
     for g in _groups(swaps):
         g.unfinished_steps = [r for r in g.unfinished_steps if r() not in (optimizer, None)]

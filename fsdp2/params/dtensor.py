@@ -106,7 +106,8 @@ def spmd_placements(
     if len(spmd.shard) <= 1:  # one shard dim, or none (replicas only)
         return mesh, tuple(out)
     names = mesh.mesh_dim_names
-    assert names is not None
+    if names is None:
+        raise AssertionError("fsdp2 internal error: expected names is not None")
     meshes: list[DeviceMesh] = []
     spec: list[Placement] = []
     for i in range(mesh.ndim):

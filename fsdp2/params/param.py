@@ -26,7 +26,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..comm.mesh import MeshInfo
 from .dtensor import (
-    concatenate_meshes, contiguous_stride, make_dtensor, make_parameter, spec_where_it_is, spmd_placements,
+    concatenate_meshes,
+    contiguous_stride,
+    make_dtensor,
+    make_parameter,
+    spec_where_it_is,
+    spmd_placements,
 )
 from .layout import ShardLayout
 from .spmd_annotations import SpmdAnnotation
@@ -118,7 +123,8 @@ class FSDPParam:
         # reduce (SPMD meshes: the data-parallel dims); the rest are redistributed to tp's.
         self.dp_dims: frozenset[int] = frozenset()
         if info.spmd is not None:
-            assert self.tp is not None, "fsdp2 internal error: SPMD parameters are DTensors"
+            if self.tp is None:
+                raise AssertionError("fsdp2 internal error: SPMD parameters are DTensors")
             self.mesh, self.placements = spmd_placements(info.spmd, self.tp[1], fsdp, dim)
             self.dp_dims = info.spmd.dp
         elif self.tp is None:
@@ -242,13 +248,15 @@ class FSDPParam:
             module._parameters[name] = value  # type: ignore[assignment]
 
     def register_sharded(self) -> None:
-        assert self.sharded is not None, "fsdp2 internal error: parameter not sharded yet"
+        if self.sharded is None:
+            raise AssertionError("fsdp2 internal error: parameter not sharded yet")
         self.register(self.sharded)
 
     def register_unsharded(self) -> None:
         """Show the unsharded leaf, trainable exactly when the sharded parameter is."""
         leaf, sharded = self.unsharded, self.sharded
-        assert leaf is not None and sharded is not None, "fsdp2 internal error: no unsharded parameter"
+        if leaf is None or sharded is None:
+            raise AssertionError("fsdp2 internal error: no unsharded parameter")
         if leaf.requires_grad != sharded.requires_grad:
             leaf.requires_grad_(sharded.requires_grad)
             self._settle_holders()
@@ -270,7 +278,8 @@ class FSDPParam:
         references are a constant) and note how many references the leaf has while
         nothing but fsdp2 holds it, before any module registers it."""
         leaf = self.unsharded
-        assert leaf is not None
+        if leaf is None:
+            raise AssertionError("fsdp2 internal error: expected leaf is not None")
         self._grad_acc = None
         if leaf.requires_grad:
             with torch.enable_grad():  # may run inside backward, where grad mode is off
@@ -313,7 +322,8 @@ class FSDPParam:
             grad, self._tp_pending = self._tp_pending, None
         elif self.annotation is not None:
             grad = self.annotation.grad_dtensor(grad, self.shape, self.stride)
-        assert isinstance(grad, DTensor), f"fsdp2 internal error: local gradient for TP parameter {self.fqn}"
+        if not isinstance(grad, DTensor):
+            raise AssertionError(f"fsdp2 internal error: local gradient for TP parameter {self.fqn}")
         # The data-parallel dims of an SPMD mesh stay as they are (a Partial there is
         # what the reduce sums); the others go to the parameter's own placements.
         target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, self.tp[1])))

@@ -69,7 +69,8 @@ class _ShardFullTensors:
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == fp.shape:
                 param = fp.sharded
-                assert param is not None
+                if param is None:
+                    raise AssertionError("fsdp2 internal error: expected param is not None")
                 local = fp.local_chunk(value.detach()).to(param.device)
                 state_dict[prefix + name] = fp.to_dtensor(local)
 

@@ -184,7 +184,7 @@ def _count_unsharded(model: nn.Module) -> None:
 
     with torch.no_grad():
         for m in model.modules():
-            for name, p in m._parameters.items():
+            for p in m._parameters.values():
                 if p is not None and not isinstance(p, DTensor):
                     p.data = torch.empty_like(p)
             for name, b in m._buffers.items():

@@ -57,7 +57,8 @@ def _estimate_lines(plan: Any) -> list[str]:
     from ..memory.tracker import CATEGORIES
 
     e = plan.estimate
-    assert e is not None, "no estimate to print"
+    if e is None:
+        raise AssertionError("no estimate to print")
     out = [f"estimated peak per rank: {mib(e.peak)} MiB ({e.phase})"
            + (f", budget {mib(e.budget)} MiB: " + ("fits" if e.fits else
               f"over by {mib(e.peak - e.budget)} MiB") if e.budget is not None else "")]

@@ -282,7 +282,8 @@ class ParamGroup(GroupBackward):
     # -------------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.ctx
-        assert ctx is not None, "fsdp2 internal error: forward before lazy init"
+        if ctx is None:
+            raise AssertionError("fsdp2 internal error: forward before lazy init")
         recompute = ctx.in_backward  # activation checkpointing re-runs forward in backward
         with paused_typecheck():  # our gathers and copies; the model's tensors stay typed
             self._gather_for_forward(module, ctx, recompute)
@@ -331,7 +332,8 @@ class ParamGroup(GroupBackward):
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         ctx = self.ctx
-        assert ctx is not None
+        if ctx is None:
+            raise AssertionError("fsdp2 internal error: expected ctx is not None")
         if ctx.in_backward:  # recompute: backward still needs the unsharded parameters
             return self._cast_output(output)
         self._forwarded.add(id(module))

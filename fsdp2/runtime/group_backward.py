@@ -46,7 +46,8 @@ class GroupBackward:
 
     def pre_backward(self) -> None:
         ctx = self.ctx
-        assert ctx is not None
+        if ctx is None:
+            raise AssertionError("fsdp2 internal error: expected ctx is not None")
         ctx.on_backward_start()
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
@@ -92,7 +93,8 @@ class GroupBackward:
         buckets = [b for b in self.buckets if sync or b.reduce_dtype != b.compute_dtype]
         if self.direct or not buckets:
             return  # direct: the end of backward hands the gradients over
-        assert self.ctx is not None
+        if self.ctx is None:
+            raise AssertionError("fsdp2 internal error: expected self.ctx is not None")
         self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
         for b in buckets:
             b.reduce.deposit_unsharded_grads(sync)

@@ -148,7 +148,8 @@ def rebucket(
     # Each parameter's own sharded parameter as its "original": its rows are copied.
     buckets = build_buckets(params, current, comm, old[0].device, mp_policy, offload_policy, old[0].user)  # type: ignore[arg-type]
     for p, param in zip(params, current):
-        assert param is not None, "fsdp2 internal error: re-bucketing an unsharded parameter"
+        if param is None:
+            raise AssertionError("fsdp2 internal error: re-bucketing an unsharded parameter")
         fresh, grad = p.sharded, param.grad
         torch.utils.swap_tensors(param, fresh)  # type: ignore[arg-type]
         param.grad = grad

@@ -123,7 +123,8 @@ class FSDPState:
 
     def post_forward(self, output: Any) -> Any:
         ctx = self.group.ctx
-        assert ctx is not None
+        if ctx is None:
+            raise AssertionError("fsdp2 internal error: expected ctx is not None")
         if ctx.in_backward:
             return self.group.post_forward(self.module, output)
         ctx.active_forwards -= 1

@@ -182,7 +182,8 @@ def _size_before(p: FSDPParam, i: int, d: int) -> int:
     mesh, placements = p.tp  # type: ignore[misc]
     n = p.shape[d]
     coords = mesh.get_coordinate()
-    assert coords is not None, "fsdp2 internal error: this rank is not on the parameter's mesh"
+    if coords is None:
+        raise AssertionError("fsdp2 internal error: this rank is not on the parameter's mesh")
     for j in range(i):
         pl = placements[j]
         if isinstance(pl, Shard) and pl.dim == d:

@@ -85,7 +85,8 @@ def quantize_rows(
     """``blockwise.quantize_rows``: ``x`` (``R x numel``, rows may be strided, last dim
     contiguous) into the byte rows ``out`` (``R x nbytes``)."""
     k = _triton()
-    assert x.stride(-1) == 1 and out.is_contiguous(), "fsdp2 internal error: fused quantize layouts"
+    if not (x.stride(-1) == 1 and out.is_contiguous()):
+        raise AssertionError("fsdp2 internal error: fused quantize layouts")
     grid = (rows.blocks, x.shape[0])
     k.quantize[grid](
         x, x.stride(0), out, rows.nbytes, rows.scale_offset, rows.payload_offset, *table,

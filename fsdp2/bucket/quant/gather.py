@@ -62,7 +62,8 @@ class QuantizedGather(BucketGather):
         b, rows = self.bucket, self._rows
         if rows is None:
             return super().finish()
-        assert self._pending is not None and self.buf is not None, "fsdp2 internal error: no all-gather issued"
+        if self._pending is None or self.buf is None:
+            raise AssertionError("fsdp2 internal error: no all-gather issued")
         b.alloc_unsharded()
         pool, world = b.comm.pool, b.comm.shard_size
         try:
