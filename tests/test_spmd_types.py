@@ -46,6 +46,29 @@ def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
+def _shard(lib: Any, blocks: list[nn.Module], root: nn.Module, mesh: Any, dims: Any) -> str | None:
+    """``fully_shard`` each block then the root over the full mesh; what refused it, if any."""
+    try:
+        for block in blocks:
+            lib.fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+        lib.fully_shard(root, mesh=mesh, dp_mesh_dims=dims)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[float]:
+    """One step per batch on the mean square of the output; the losses."""
+    losses = []
+    for x in batches:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 # ------------------------------------------------------------------ 1-D mesh, typechecked
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
@@ -112,14 +135,7 @@ def _train_1d(rank: int, world: int, lib_name: str, bf16: bool) -> dict[str, Any
 
 def _local_1d(world: int) -> dict[str, Any]:
     model = _mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    losses = []
-    for s in range(STEPS):
-        loss = model(_batch(s, 2 * world)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train(model, torch.optim.AdamW(model.parameters(), lr=0.05), [_batch(s, 2 * world) for s in range(STEPS)])
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
@@ -221,36 +237,19 @@ def _train_tp(rank: int, world: int, lib_name: str) -> dict[str, Any]:
         spmd.assert_type(block.up, {dp: spmd.R, tp: spmd.S(0)})
         spmd.assert_type(block.down, {dp: spmd.R, tp: spmd.S(1)})
         spmd.assert_type(block.bias, {dp: spmd.R, tp: spmd.I})
-    dims = lib.DataParallelMeshDims(shard="dp")
-    try:
-        for block in model:
-            lib.fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
-        lib.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
-    except ValueError as e:
-        return {"refused": str(e)}
+    refused = _shard(lib, list(model), model, mesh, lib.DataParallelMeshDims(shard="dp"))
+    if refused is not None:
+        return {"refused": refused}
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    losses = []
-    for s in range(STEPS):
-        loss = model(_tp_batch(s, 4).chunk(2)[dist.get_rank(dp)]).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train(model, opt, [_tp_batch(s, 4).chunk(2)[dist.get_rank(dp)] for s in range(STEPS)])
     placements = {n: str(tuple(p.placements)) for n, p in model.named_parameters()}
     return {"losses": losses, "params": full_params(model), "placements": placements}
 
 
 def _local_tp() -> dict[str, Any]:
     model = _blocks()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    losses = []
-    for s in range(STEPS):
-        # the mean over the global batch: the mean of the data-parallel ranks' halves
-        loss = model(_tp_batch(s, 4)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    # the mean over the global batch: the mean of the data-parallel ranks' halves
+    losses = _train(model, torch.optim.SGD(model.parameters(), lr=0.2), [_tp_batch(s, 4) for s in range(STEPS)])
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
@@ -262,21 +261,11 @@ def _train_hsdp(rank: int, world: int, lib_name: str) -> dict[str, Any]:
     axes = {mesh.get_group("rep"): spmd.R, mesh.get_group("shard"): spmd.R}
     for p in model.parameters():
         spmd.assert_type(p, axes)
-    dims = lib.DataParallelMeshDims(shard="shard", replicate="rep")
-    try:
-        for layer in (model[0], model[2]):
-            lib.fully_shard(layer, mesh=mesh, dp_mesh_dims=dims)
-        lib.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
-    except ValueError as e:
-        return {"refused": str(e)}
+    refused = _shard(lib, [model[0], model[2]], model, mesh, lib.DataParallelMeshDims(shard="shard", replicate="rep"))
+    if refused is not None:
+        return {"refused": refused}
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    losses = []
-    for s in range(STEPS):
-        loss = model(_batch(s, 2 * world).chunk(world)[rank]).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train(model, opt, [_batch(s, 2 * world).chunk(world)[rank] for s in range(STEPS)])
     return {"losses": losses, "params": full_params(model)}
 
 
