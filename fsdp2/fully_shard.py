@@ -34,6 +34,7 @@ from .comm.mesh import MeshInfo, SpmdDims, mesh_device
 from .optim import local_step
 from .params.param import FSDPParam, sharded_owner, unsharded_owner
 from .params.shared import SharedParam, find_under, shared_error
+from .params.spmd_annotations import pausing_typecheck
 from .params.state_dict import register_state_dict_hooks
 from .runtime.group import ParamGroup, ShardState
 from .runtime.state import FSDPState
@@ -49,6 +50,7 @@ _REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[FSDPParam]]] =
 def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
 @overload
 def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+@pausing_typecheck  # fsdp2's own copies into its buffers: also inside an spmd_types check
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,

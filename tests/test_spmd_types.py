@@ -296,6 +296,28 @@ def _refusals(rank: int, world: int) -> dict[str, Any]:
         fsdp2.fully_shard(lin, mesh=mesh, dp_mesh_dims=dims)
     except ValueError as e:
         out["untyped"] = str(e)
+    # typed, but sharded over the data-parallel mesh alone (no dp_mesh_dims), as torch refuses too
+    lin = nn.Linear(D, D).double()
+    spmd.assert_type(lin.weight, {mesh.get_group("rep"): spmd.R, mesh.get_group("shard"): spmd.R})
+    try:
+        fsdp2.fully_shard(lin, mesh=mesh)
+    except ValueError as e:
+        out["no_dp_mesh_dims"] = (str(e), type(lin).__name__)
+    # a partial sum on tp; and a typed call made inside a type-checking context
+    from spmd_types.checker import typecheck
+
+    full = _mesh((2, world // 2), ("dp", "tp"))
+    tp_dims = fsdp2.DataParallelMeshDims(shard="dp")
+    for name, kind in (("partial_sum_on_tp", spmd.P), ("inside_typecheck", spmd.S(0))):
+        lin = nn.Linear(D, D).double()
+        for p in lin.parameters():
+            spmd.assert_type(p, {full.get_group("dp"): spmd.R, full.get_group("tp"): kind})
+        try:
+            with typecheck():
+                fsdp2.fully_shard(lin, mesh=full, dp_mesh_dims=tp_dims)
+            out[name] = str(tuple(lin.weight.placements))
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -393,4 +415,8 @@ def test_types_fsdp2_cannot_take_are_refused_before_anything_changes() -> None:
     message, unchanged, cls = r["partial_sum_on_dp"]
     assert "must be typed R (or not at all) there" in message and unchanged and cls == "Linear"
     assert "plain tensor with no spmd_types type" in r["untyped"] and "spmd_types.assert_type" in r["untyped"]
+    message, cls = r["no_dp_mesh_dims"]
+    assert "fully_shard got no dp_mesh_dims" in message and cls == "Linear"
+    assert "typed P (a partial sum)" in r["partial_sum_on_tp"]
+    assert r["inside_typecheck"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # fully_shard ran inside typecheck()
 

@@ -8,8 +8,9 @@ mesh that type describes (``Replicate()`` on the data-parallel dims, which must 
 ``R`` or not at all, fsdp2 reducing their gradients), shards that DTensor like any other,
 and shows the model a plain unsharded tensor again, typed as it was, before each forward.
 Its gradient arrives plain; its meaning on the full mesh is the backward type of each
-axis (``R`` -> ``Partial()``, ``S(d)`` -> ``Shard(d)``, ``I`` -> ``Replicate()``, ``P`` ->
-``Replicate()``), from which the other SPMD parameters' path takes it on.
+axis (``R`` -> ``Partial()``, ``S(d)`` -> ``Shard(d)``, ``I`` -> ``Replicate()``), from
+which the other SPMD parameters' path takes it on. A parameter typed ``P`` (a partial
+sum) on any axis is refused: fsdp2's shards hold values, not partial sums.
 
 fsdp2's own work in the hooks (gathers, copies, reductions) runs with type checking
 paused (``paused_typecheck``); what the model sees (its inputs, the unsharded
@@ -86,18 +87,37 @@ class SpmdAnnotation:
     partition_spec: Any  # the spec it was typed with (S(d) entries), or None
 
     def as_dtensor(self, param: torch.Tensor) -> DTensor:
-        """The parameter as the DTensor its type describes (its value is the local tensor)."""
-        return DTensor.from_local(param.detach(), self.mesh, self.placements, run_check=False)
+        """The parameter as the DTensor its type describes (its value is the local tensor;
+        made outside the checker, whose own ``from_local`` rule wants ``I`` where we put
+        ``Replicate()``: ``fully_shard`` may run inside a type-checking context)."""
+        with paused_typecheck():
+            return DTensor.from_local(param.data, self.mesh, self.placements, run_check=False)
 
     def grad_dtensor(self, grad: torch.Tensor, shape: torch.Size, stride: tuple[int, ...]) -> DTensor:
         """A plain gradient of the unsharded tensor, as a DTensor of the parameter's shape."""
-        return DTensor.from_local(grad, self.mesh, self.grad_placements, run_check=False, shape=shape, stride=stride)
+        with paused_typecheck():
+            return DTensor.from_local(grad, self.mesh, self.grad_placements, run_check=False, shape=shape, stride=stride)
 
     def restore(self, tensor: torch.Tensor | None) -> None:
         """Type ``tensor`` (the unsharded parameter) as the parameter was, while checking."""
         package = spmd_types_package()
         if tensor is not None and package is not None and package.is_type_checking() and self.local_type:
             package.assert_type(tensor, self.local_type, partition_spec=self.partition_spec)
+
+
+def refuse_typed_without_spmd_mesh(p: torch.Tensor, fqn: str) -> None:
+    """A typed plain parameter needs the full mesh its type names (``dp_mesh_dims``):
+    sharded over a data-parallel mesh alone, its type, and the reduce over its other axes
+    (an ``R`` weight's partial gradients over tp), would be lost. Raises ValueError."""
+    package = spmd_types_package()
+    if package is None or isinstance(p, DTensor):
+        return
+    if package.get_local_type(p) or package.get_partition_spec(p) is not None:
+        raise ValueError(
+            f"parameter {fqn} is typed with spmd_types, but fully_shard got no dp_mesh_dims: pass the "
+            "full mesh its type names and which of its dims are data-parallel, "
+            "fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(shard=...))"
+        )
 
 
 def annotation_of(p: torch.Tensor, fqn: str, spmd: SpmdDims) -> SpmdAnnotation | None:
@@ -218,6 +238,11 @@ class _Resolver:
                 grads.append(Partial())
                 continue
             kind = self._storage_type(i)
+            if kind is self.st.P:
+                raise ValueError(
+                    f"parameter {self.fqn} is typed P (a partial sum) on the mesh dim {self.names[i]!r}; "
+                    "fully_shard takes parameters whose value is known on each rank: type it R, I or S(d) there"
+                )
             placements.append(self._placement(kind))
             grads.append(self._placement(kind.backward_type()))
         restored = {axis: self.local.get(axis, self.st.R) for axis in compute}

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..params.spmd_annotations import pausing_typecheck
 from .group_setup import TrainingState
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class GradientReductionHandle:
     def __init__(self, ctx: ManualFinalization | None = None) -> None:
         self._ctx = ctx
 
+    @pausing_typecheck
     def wait(self) -> None:
         ctx = self._ctx
         if ctx is None:
@@ -97,6 +99,7 @@ class ManualFinalization:
             g.training_state = TrainingState.IDLE
         self.in_backward = False
 
+    @pausing_typecheck
     def finalize(self, async_op: bool) -> GradientReductionHandle | None:
         """Phases 2 and 3 (``FSDPModule.finalize_backward``)."""
         self.check_no_reduction_pending("finalizing backward again")

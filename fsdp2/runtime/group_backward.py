@@ -75,6 +75,7 @@ class GroupBackward:
             if not self.calls.awaiting:
                 self.post_backward()
 
+    @pausing_typecheck
     def post_backward(self) -> None:
         """Phase 4: reshard, move the unsharded gradients into the reduce input and issue
         this group's reduce-scatters. Without synchronization, gradients stay in the

@@ -353,6 +353,7 @@ class RootContext(ManualFinalization):
             raise
         self.manual_active = None
 
+    @pausing_typecheck
     def _commit(self, wait: bool = False) -> None:
         """Wait for the reduces (unless more backwards accumulate first), write ``.grad``."""
         if self.root.is_last_backward or wait:
