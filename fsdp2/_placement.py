@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ._validate import check_tp_param, validate_dp_mesh_dims, validate_mesh, validate_spmd_param
 from .api import DataParallelMeshDims
 from .comm.mesh import SpmdDims, shard_size
-from .params.spmd_annotations import SpmdAnnotation, annotation_of, refuse_typed_without_spmd_mesh
+from .params.spmd_annotations import SpmdAnnotation, annotation_of
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,7 @@ def resolve_placements(
     for p in params:
         result = placement_fn(p) if placement_fn is not None else None
         placement, target = _split_result(result, fqns[p], default, targets)
-        if target.spmd is None:
-            refuse_typed_without_spmd_mesh(p, fqns[p])
-        annotation = annotation_of(p, fqns[p], target.spmd) if target.spmd is not None else None
+        annotation = annotation_of(p, fqns[p], target.spmd)
         # A typed plain parameter is checked as the DTensor it is taken as.
         seen.append(p if annotation is None else annotation.as_dtensor(p))
         placed.append(Placed(_dim(seen[-1], placement, fqns[p]), target, annotation))

@@ -105,25 +105,13 @@ class SpmdAnnotation:
             package.assert_type(tensor, self.local_type, partition_spec=self.partition_spec)
 
 
-def refuse_typed_without_spmd_mesh(p: torch.Tensor, fqn: str) -> None:
-    """A typed plain parameter needs the full mesh its type names (``dp_mesh_dims``):
-    sharded over a data-parallel mesh alone, its type, and the reduce over its other axes
-    (an ``R`` weight's partial gradients over tp), would be lost. Raises ValueError."""
-    package = spmd_types_package()
-    if package is None or isinstance(p, DTensor):
-        return
-    if package.get_local_type(p) or package.get_partition_spec(p) is not None:
-        raise ValueError(
-            f"parameter {fqn} is typed with spmd_types, but fully_shard got no dp_mesh_dims: pass the "
-            "full mesh its type names and which of its dims are data-parallel, "
-            "fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(shard=...))"
-        )
-
-
-def annotation_of(p: torch.Tensor, fqn: str, spmd: SpmdDims) -> SpmdAnnotation | None:
+def annotation_of(p: torch.Tensor, fqn: str, spmd: SpmdDims | None) -> SpmdAnnotation | None:
     """The annotation of a plain parameter typed with ``spmd_types`` that a
     ``dp_mesh_dims`` call shards over ``spmd.mesh``, or None if it carries no type.
-    Raises ValueError for a type that does not describe a tensor on that mesh."""
+    Raises ValueError for a type that does not describe a tensor on that mesh, and for a
+    typed parameter of a call without ``dp_mesh_dims`` (``spmd`` None): sharded over a
+    data-parallel mesh alone, its type, and the reduce over its other axes (an ``R``
+    weight's partial gradients over tp), would be lost."""
     package = spmd_types_package()
     if package is None or isinstance(p, DTensor):
         return None
@@ -131,6 +119,12 @@ def annotation_of(p: torch.Tensor, fqn: str, spmd: SpmdDims) -> SpmdAnnotation |
     spec = package.get_partition_spec(p)
     if not local and spec is None:
         return None
+    if spmd is None:
+        raise ValueError(
+            f"parameter {fqn} is typed with spmd_types, but fully_shard got no dp_mesh_dims: pass the "
+            "full mesh its type names and which of its dims are data-parallel, "
+            "fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(shard=...))"
+        )
     _register_functions(package)
     return _Resolver(package, p, fqn, spmd, local, spec).annotation()
 
