@@ -15,7 +15,7 @@ from .memory.held import held_bytes, release_memory
 from .optim import clip_grad_norm_
 from .params.state_dict import StateDictError
 from .planning import plan as plan  # fsdp2.plan, not in torch's __all__
-from .runtime.finalize import GradientReductionHandle
+from .runtime.root import GradientReductionHandle
 from .weights import full_weights, gathered, register_gathered_method
 
 __all__ = [

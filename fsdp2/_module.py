@@ -8,7 +8,7 @@ import functools
 import numbers
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -16,20 +16,28 @@ from torch import nn
 
 from . import _classes
 from ._compat import TORCH
-from ._knobs import CommKnobs, check_bool
-from ._validate import reshard_after_forward_value
+from ._validate import (
+    check_bool,
+    check_comm,
+    check_not_quantized,
+    check_one_mesh,
+    cuda_event_types,
+    reshard_after_forward_value,
+)
 from .params.state_dict import validate_state_dict
 from .runtime.adopt import rebind
-from .runtime.finalize import GradientReductionHandle
 from .runtime.group import ParamGroup, ShardState, TrainingState
+from .runtime.root import GradientReductionHandle
 from .runtime.state import FSDPState
 
 
-class FSDPModule(CommKnobs):
+class FSDPModule:
     """Mixin of every module ``fully_shard`` was applied to. Its methods below are grouped
-    by what they tune (gathering, gradients, memory, state); the knobs of the collectives
-    themselves (custom collectives, hooks, accelerator streams) come from ``CommKnobs``
-    (``_knobs.py``)."""
+    by what they tune: gathering, gradients, memory, the collectives themselves (torch
+    2.13's names and signatures: some change what fsdp2 does, the rest tune how an
+    accelerator's collectives are issued where fsdp2 issues every collective on the
+    current stream from one flat buffer per group, or describe what it always does; those
+    check their arguments and change nothing, each docstring says why), and state."""
 
     _fsdp2_state: FSDPState
 
@@ -239,6 +247,106 @@ class FSDPModule(CommKnobs):
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's, in backward."""
         self._fsdp2_state.group.backward_prefetch = _prefetch_groups("set_modules_to_backward_prefetch", modules)
+
+    # ------------------------------------ collectives: hooks, custom collectives
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream: Any = None) -> None:
+        """Call ``hook(reduce_output)`` on this module's reduced gradients: after the
+        reduce-scatter (1D mesh) or after the all-reduce over the replicas (HSDP), before
+        they are written to ``.grad``. ``reduce_output`` is this rank's reduced row in the
+        reduce dtype, modified in place by the hook (e.g. an all-reduce over another
+        process group): the sharded gradients, then those of 0-dim parameters. It holds
+        sums: fsdp2 divides afterwards (torch's NCCL path may average first; a linear
+        hook gives the same result either way). With a hook, parameters no rank used get
+        zero gradients (as with torch) rather than None. ``stream``: accepted on
+        accelerators without native HSDP (fsdp2 runs the hook on the current stream);
+        must be None on CPU. ``None`` removes the hook. Set it before training starts."""
+        if hook is not None and not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable (or None: no hook), got {type(hook).__name__}")
+        group = self._fsdp2_state.group
+        check_one_mesh("set_all_reduce_hook", group, "hook")
+        mesh = group.meshes[0]  # the one its parameters use (maybe not the call's own)
+        if stream is not None:
+            if mesh.is_hsdp:
+                raise ValueError("set_all_reduce_hook(stream=...) cannot be set with native HSDP (a 2D mesh)")
+            if mesh.device_type == "cpu":
+                raise ValueError("set_all_reduce_hook(stream=...): streams exist on accelerators only; pass None on CPU")
+        group.user_comm.all_reduce_hook = hook
+        for b in group.buckets:
+            b.update_direct()  # one rank without a dtype change: reduce (a copy) all the same
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """All-gather this module's parameters with ``comm`` (torch's ``AllGather``
+        protocol: ``comm.allocate(size, dtype=..., device=...)`` for the output and
+        ``comm(output_tensor, input_tensor, group, async_op=True)`` returning a work
+        handle), instead of fsdp2's own gathers."""
+        check_comm("set_custom_all_gather", comm)
+        check_one_mesh("set_custom_all_gather", self._fsdp2_state.group, "collective")
+        check_not_quantized("set_custom_all_gather", comm, self._fsdp2_state.group, "gather")
+        self._fsdp2_state.group.user_comm.all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce-scatter this module's gradients with ``comm`` (torch's
+        ``ReduceScatter`` protocol: ``comm.allocate(...)`` for the output and
+        ``comm(output_tensor, input_tensor, group, op, async_op=True)``), called with
+        ``ReduceOp.SUM`` on fsdp2's reduce input (each rank's row: gradients, "used"
+        flags, 0-dim parameters' gradients). 0-dim parameters stay equal across ranks
+        only if ``comm`` sums every element in the same rank order."""
+        check_comm("set_custom_reduce_scatter", comm)
+        check_one_mesh("set_custom_reduce_scatter", self._fsdp2_state.group, "collective")
+        check_not_quantized("set_custom_reduce_scatter", comm, self._fsdp2_state.group, "reduce")
+        group = self._fsdp2_state.group
+        group.user_comm.reduce_scatter = comm
+        for b in group.buckets:
+            b.update_direct()
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """fsdp2 always reduces with ``ReduceOp.SUM`` and divides afterwards (no
+        ``AVG`` or pre-scaling), so this changes nothing; checked for a bool."""
+        check_bool("set_force_sum_reduction_for_comms", enable)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """``True``: trainable parameters that no rank computed a gradient for in a
+        backward of their module get zero gradients instead of ``None`` (some optimizers
+        and clipping code expect every parameter to have one). fsdp2 reduces unused
+        parameters either way (as zeros with a zero "used" flag), so every rank issues the
+        same collectives whatever its control flow, which is what torch needs this knob
+        for; here it only decides ``None`` or zeros."""
+        zero_unused = check_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for g in self._target_groups(recurse):
+            g.user_comm.zero_unused = zero_unused
+
+    def set_post_optim_event(self, event: Any | None) -> None:
+        """An event recorded after the optimizer step for the all-gather streams to wait
+        on. fsdp2 issues its all-gathers on the current stream, after the step in stream
+        order, so there is nothing to wait for: checked and dropped."""
+        if event is not None and not isinstance(event, (torch.Event, *cuda_event_types())):
+            raise TypeError(f"set_post_optim_event expects a torch.Event (or None), got {type(event).__name__}")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce inputs may be in flight at once. fsdp2 takes them from one pool
+        shared by every group and keeps one reduce in flight while the next group's
+        backward runs, which this knob does not change; checked for a positive int."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """A second communicator for reduce-scatters, so they overlap all-gathers on NCCL.
+        fsdp2 issues both on the shard group; on gloo each collective already runs on its
+        own thread. Checked for a bool; changes nothing."""
+        check_bool("set_separate_reduce_scatter_group", enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Symmetric-memory staging buffers for NCCL's all-gather. fsdp2 gathers from its
+        own pooled buffers; checked (only ``"NCCL"``), changes nothing."""
+        if not isinstance(backend, str) or backend.upper() != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports backend='NCCL' only, got {backend!r}")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Staging buffers from the process group's allocator (NCCL zero-copy). fsdp2's
+        buffers come from its own pool; checked for a bool, changes nothing."""
+        check_bool("set_allocate_memory_from_process_group_for_comm", enable)
 
     # ---------------------------------------------------- state: loading, _apply
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

@@ -282,3 +282,51 @@ def _accelerator_type() -> str:
     acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     module = getattr(torch, acc.type, None) if acc is not None else None
     return acc.type if module is not None and module.is_available() else "cpu"
+
+
+def check_bool(method: str, value: Any) -> bool:
+    """``value`` as a bool: a bool, or what torch's setters take for one by its truth value
+    and means it unambiguously (the ints 0 and 1, a NumPy bool). ``None``, strings and
+    other numbers are refused: torch would read ``None`` as False and ``"no"`` as True."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{method} expects a bool (or 0/1), got {type(value).__name__} {value!r}")
+
+
+def check_one_mesh(method: str, group: Any, what: str) -> None:  # group: _group.ParamGroup
+    """torch refuses these knobs on a module whose parameters live on several meshes
+    (per-parameter meshes): one hook or collective would serve different process groups."""
+    meshes = group.meshes
+    if len(meshes) > 1:
+        raise ValueError(
+            f"{method} is not supported on a module whose parameters are sharded over {len(meshes)} meshes "
+            f"(shard_placement_fn returned ShardPlacementResult): the {what} would serve different process "
+            "groups. Shard the parameters of the other mesh in a fully_shard call of their own to set it"
+        )
+
+
+def check_comm(method: str, comm: Any) -> None:
+    if not (callable(comm) and callable(getattr(comm, "allocate", None))):
+        raise TypeError(
+            f"{method} expects an object with allocate(size, *, dtype, device) and __call__ (torch's "
+            f"AllGather / ReduceScatter protocol), got {type(comm).__name__}"
+        )
+
+
+def cuda_event_types() -> tuple[type, ...]:
+    event = getattr(getattr(torch, "cuda", None), "Event", None)
+    return (event,) if isinstance(event, type) else ()
+
+
+def check_not_quantized(method: str, comm: Any, group: Any, which: str) -> None:
+    """A custom collective and a quantized one cannot both carry the same payload."""
+    if comm is not None and getattr(group.mp_policy, f"quantize_{which}") is not None:
+        raise ValueError(
+            f"{method}: this module's MixedPrecisionPolicy quantizes its {which} (quantize_{which}=...); "
+            f"a custom collective would receive quantized bytes. Drop quantize_{which} from its policy, or the "
+            "custom collective"
+        )

@@ -242,7 +242,7 @@ def test_refused_values_still_get_clear_errors() -> None:
         validate_modules({m[0]})
     with pytest.raises(TypeError, match="ignored_params expects a set of parameters"):
         validate_ignored(m[0].weight)
-    from fsdp2._knobs import check_bool
+    from fsdp2._validate import check_bool
 
     for bad in (None, "no", 2, 0.5):
         with pytest.raises(TypeError, match="expects a bool"):

@@ -130,10 +130,9 @@ def test_three_ranks_uneven_rows_in_place() -> None:
 def _overlap_worker(rank: int, world: int, chain: bool) -> list[int]:
     """After each block's pre_backward: how many other blocks hold their storage."""
     import fsdp2.runtime.group as group_mod
-    import fsdp2.runtime.group_backward as backward_mod
 
     force_in_place()
-    backward_mod.PREFETCH_BEHIND_REDUCE = chain
+    group_mod.PREFETCH_BEHIND_REDUCE = chain
     torch.manual_seed(0)
     model = ToyModel(n_blocks=4)
     for block in model.blocks:

@@ -274,7 +274,7 @@ class Variants(nn.Module):
 def _gathers_worker(rank: int, world: int, kind: str) -> dict:
     from unittest import mock
 
-    from fsdp2.runtime.state import RootContext
+    from fsdp2.runtime.root import RootContext
 
     counts = {}
     for early in (True, False):

@@ -107,7 +107,7 @@ LAYERS = [
     ["fsdp2.params"],
     ["fsdp2.bucket", "fsdp2.optim"],
     ["fsdp2.runtime"],
-    ["fsdp2._validate", "fsdp2._placement", "fsdp2._knobs", "fsdp2._classes", "fsdp2._module",
+    ["fsdp2._validate", "fsdp2._placement", "fsdp2._classes", "fsdp2._module",
      "fsdp2.fully_shard", "fsdp2.pipelining"],
     ["fsdp2.memory", "fsdp2.weights"],
     ["fsdp2.planning"],

@@ -37,8 +37,7 @@ from ..comm.collectives import (
     wait_future,
 )
 from ..params.param import FSDPParam
-from .deposit import write
-from .reduce import BucketReduce, Staged, stage
+from .reduce import BucketReduce, Staged, stage, write
 from .reduce_layout import ReduceLayout
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from torch import nn
 
 from .._module import groups_under
 from ..bucket.bucket import comm_pools
-from ..runtime.group_setup import TrainingState
+from ..runtime.group import TrainingState
 from .tracker import claim_group, storage_data_ptr, storage_key
 
 POOLED = "pooled buffers"  # this rank's idle communication buffers, shared by its models

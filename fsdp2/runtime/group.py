@@ -33,6 +33,7 @@ gradients into ``.grad``.
 from __future__ import annotations
 
 import weakref
+from enum import Enum, auto
 from typing import Any, Protocol
 
 import torch
@@ -44,17 +45,28 @@ from ..bucket.user_comm import UserComm
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from ..params.shared import SharedParam
-from ..params.spmd_annotations import paused_typecheck
+from ..params.spmd_annotations import paused_typecheck, pausing_typecheck
 from .calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
 from .gathered import GatheredBlock
-from .group_backward import GroupBackward
-from .group_setup import (
-    ShardState,
-    TrainingState,
-    UnshardChecks,
-    build_buckets,
-)
+from .group_setup import UnshardChecks, build_buckets
 from .tree import cast_floating
+
+# Backward prefetches of in-place buckets start behind the reduce in storage still in
+# flight (``RootContext.reduce_in_flight``); False lets both hold memory at once.
+PREFETCH_BEHIND_REDUCE = True
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # outside forward and backward
+    FORWARD = auto()  # between pre_forward and post_forward of one of its modules
+    PRE_BACKWARD = auto()  # gathered for backward; gradients not all computed yet
+
+
+class ShardState(Enum):
+    SHARDED = auto()  # only the sharded flat buffers hold data; modules show the DTensors
+    GATHERING = auto()  # all-gather issued, not waited for yet; modules show the DTensors
+    UNSHARDED = auto()  # unsharded flat buffers hold the full parameters; modules show the leaves
+    PARTIAL = auto()  # after forward with an int reshard: W/N of the rows kept; the DTensors
 
 
 class StepContext(Protocol):
@@ -78,7 +90,7 @@ class StepContext(Protocol):
     def reset(self) -> None: ...
 
 
-class ParamGroup(GroupBackward):
+class ParamGroup:
     """The parameters of one ``fully_shard`` call, bucketed by dtype."""
 
     def __init__(
@@ -113,7 +125,7 @@ class ParamGroup(GroupBackward):
         self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None
         self.is_last_backward = True
-        # ``set_manual_backward_finalization`` on the root (``runtime/finalize.py``), and
+        # ``set_manual_backward_finalization`` on the root (``runtime/root.py``), and
         # whether this group waits for the caller's finalize to reduce.
         self.manual_finalization = False
         self.finalize_pending = False
@@ -369,6 +381,97 @@ class ParamGroup(GroupBackward):
         if self.mp_policy.output_dtype is not None:
             return cast_floating(output, self.mp_policy.output_dtype)
         return output
+
+    # ------------------------------------------------------------------- backward
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.calls.started += 1
+        with paused_typecheck():
+            self.pre_backward()
+
+    def pre_backward(self) -> None:
+        ctx = self.ctx
+        if ctx is None:
+            raise AssertionError("fsdp2 internal error: expected ctx is not None")
+        ctx.on_backward_start()
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self.unshard_in_backward:
+            self.unshard()
+            self.wait_for_unshard()
+        for b in self.buckets:
+            b.reduce.set_leaf_grad_dtypes(reduces=self.requires_gradient_sync)
+        # Overlaps this group's backward compute; behind the reduce still in flight, so
+        # its gathered parameters take the memory that reduce frees (fsdp2.comm.collectives).
+        after = ctx.reduce_in_flight() if PREFETCH_BEHIND_REDUCE else None
+        for target in ctx.backward_prefetch_targets(self):
+            target.unshard(after)
+        ctx.free_unreferenced(self)
+
+    @pausing_typecheck
+    def post_backward_node(self, counted: bool) -> None:
+        """``_PostBackward.backward``: one forward call's backward is complete."""
+        if self.ctx is not None:
+            self.ctx.on_backward_start()
+        if counted:
+            self.calls.pending -= 1
+            # With gradients that may come without a node, e.g. from code that used the
+            # leaves before this call's forward (after ``unshard()``), autograd may still
+            # run that code's backward after this node: Phase 5 does Phase 4.
+            if not self.calls.awaiting:
+                self.post_backward()
+
+    @pausing_typecheck
+    def post_backward(self) -> None:
+        """Phase 4: reshard, move the unsharded gradients into the reduce input and issue
+        this group's reduce-scatters. Without synchronization, gradients stay in the
+        leaves, except those computed in a dtype other than the reduce's: they
+        accumulate in the reduce input, in ``reduce_dtype`` (as torch accumulates
+        them), not in ``param_dtype`` micro-batch after micro-batch."""
+        self.forget_calls()
+        sync = self.requires_gradient_sync and not self.direct
+        self.finalize_pending = not sync and not self.direct  # reduced by a manual finalize
+        if self.reshard_after_backward:
+            if sync:
+                for b in self.buckets:
+                    b.lend_storage()
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        buckets = [b for b in self.buckets if sync or b.reduce_dtype != b.compute_dtype]
+        if self.direct or not buckets:
+            return  # direct: the end of backward hands the gradients over
+        if self.ctx is None:
+            raise AssertionError("fsdp2 internal error: expected self.ctx is not None")
+        self.ctx.make_room_for_reduce(self)  # frees buffers before ours is taken
+        for b in buckets:
+            b.reduce.deposit_unsharded_grads(sync)
+        if not sync:
+            return
+        for b in buckets:
+            if b.reduce.has_reduced_params():
+                if self.reshard_after_backward:
+                    # Every rank decides alike here, whatever gradients it deposited
+                    # (which ones a rank computed can depend on its data).
+                    b.lend_storage()
+                b.reduce.start(self.divide_factor(b), self.requires_all_reduce)
+                self.ctx.add_pending_reduce(self, b)
+
+    def has_backward_left(self) -> bool:
+        """At the end of a backward: Phase 4 has yet to run for forward calls whose node
+        never ran, gradients that came without one (``BackwardCalls.reduce_at_finalize``),
+        or gradients that reached a leaf after the reduce was issued (a use outside the
+        module after its backward)."""
+        late = self.requires_gradient_sync and self.has_unsharded_grads()
+        return not self.direct and (self.calls.awaiting or late)
+
+    def has_unsharded_grads(self) -> bool:
+        return any(b.reduce.has_unsharded_grads() for b in self.buckets)
+
+    def forget_calls(self) -> None:
+        self.calls.forget()
+
+    def divide_factor(self, bucket: FlatBucket) -> float:
+        """What ``bucket``'s reduced gradients are divided by: the ranks of its mesh (as
+        torch divides each per-parameter mesh's group), or the user's factor."""
+        return float(self.gradient_divide_factor or bucket.comm.dp_size)
 
     def reset(self, clear_grads: bool = False) -> None:
         """Forget this iteration: reshard, drop deposited gradients and pending work (and

@@ -1,11 +1,10 @@
 """What a ``ParamGroup`` is built from and checked against: its buckets (one per dtype
-and kind of parameter), its lifecycle states, and the checks on its parameters that
-need no group (offload support, materialization, reassignment)."""
+and kind of parameter) and the checks on its parameters that need no group (offload
+support, materialization, reassignment)."""
 
 from __future__ import annotations
 
 import operator
-from enum import Enum, auto
 
 import torch
 
@@ -18,19 +17,6 @@ from ..bucket.quant.spec import NO_QUANTIZATION, QuantizedComm
 from ..bucket.user_comm import UserComm
 from ..comm.mesh import MeshInfo, mesh_device
 from ..params.param import FSDPParam
-
-
-class TrainingState(Enum):
-    IDLE = auto()  # outside forward and backward
-    FORWARD = auto()  # between pre_forward and post_forward of one of its modules
-    PRE_BACKWARD = auto()  # gathered for backward; gradients not all computed yet
-
-
-class ShardState(Enum):
-    SHARDED = auto()  # only the sharded flat buffers hold data; modules show the DTensors
-    GATHERING = auto()  # all-gather issued, not waited for yet; modules show the DTensors
-    UNSHARDED = auto()  # unsharded flat buffers hold the full parameters; modules show the leaves
-    PARTIAL = auto()  # after forward with an int reshard: W/N of the rows kept; the DTensors
 
 
 def build_buckets(

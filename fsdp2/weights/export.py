@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from .._module import groups_under
 from ..params.param import FSDPParam
-from ..runtime.group_setup import TrainingState
+from ..runtime.group import TrainingState
 from .gather import GroupOut, finish_group, start_group
 
 
