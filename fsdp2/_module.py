@@ -22,12 +22,12 @@ from ._validate import (
     check_not_quantized,
     check_one_mesh,
     cuda_event_types,
-    reshard_after_forward_value,
 )
 from .params.state_dict import validate_state_dict
 from .runtime.adopt import rebind
-from .runtime.group import ParamGroup, ShardState, TrainingState
+from .runtime.group import ParamGroup, ShardState
 from .runtime.root import GradientReductionHandle
+from .runtime.settings import check_reshard_after_forward
 from .runtime.state import FSDPState
 
 
@@ -79,8 +79,7 @@ class FSDPModule:
         ctx = group.ctx  # None before the first forward (which makes the root)
         group.unshard()
         if ctx is None or not (ctx.active_forwards or ctx.in_backward):
-            group.held_by_user = True
-            group.calls.reduce_at_finalize = True  # gradients may come without a forward of ours
+            group.open_user_window()
         handle = UnshardHandle(group)
         if async_op:
             return handle
@@ -92,8 +91,7 @@ class FSDPModule:
         an ``unshard()`` outside a forward opened."""
         group = self._fsdp2_state.group
         group.reshard()
-        if group.training_state is TrainingState.IDLE and not (group.ctx is not None and group.ctx.in_backward):
-            group.calls.reduce_at_finalize = False
+        group.close_user_window()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward: reshard everything and drop
@@ -116,7 +114,7 @@ class FSDPModule:
         group = self._fsdp2_state.group
         # After the first forward any module of the model may say it (torch's state is
         # shared by the root's modules): it is the root's.
-        (group.ctx.root if group.ctx is not None else group).is_last_backward = is_last_backward
+        (group.ctx.root if group.ctx is not None else group).settings.is_last_backward = is_last_backward
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """On the root module: ``True`` makes the caller finalize backward. Groups still
@@ -144,7 +142,7 @@ class FSDPModule:
                     "set_manual_backward_finalization cannot change mode after backward started: call "
                     "finalize_backward() (or reset_iter_state()) first"
                 )
-        group.manual_finalization = enabled
+        group.settings.manual_finalization = enabled
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
         """With manual finalization (``set_manual_backward_finalization(True)``), after
@@ -170,7 +168,7 @@ class FSDPModule:
         (gradient accumulation); the next backward with ``True`` reduces the sum."""
         requires_gradient_sync = check_bool("set_requires_gradient_sync", requires_gradient_sync)
         for g in self._target_groups(recurse):
-            g.requires_gradient_sync = requires_gradient_sync
+            g.settings.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters gradients within the shard group but does not
@@ -179,7 +177,7 @@ class FSDPModule:
         Nothing to do on a 1D mesh."""
         requires_all_reduce = check_bool("set_requires_all_reduce", requires_all_reduce)
         for g in self._target_groups(recurse):
-            g.requires_all_reduce = requires_all_reduce
+            g.settings.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float | None) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of its mesh's size
@@ -193,7 +191,7 @@ class FSDPModule:
                     f"set_gradient_divide_factor expects a positive number (or None: the mesh size), got {factor!r}"
                 )
             factor = value
-        self._fsdp2_state.group.gradient_divide_factor = factor
+        self._fsdp2_state.group.settings.gradient_divide_factor = factor
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Older name of ``set_gradient_divide_factor``."""
@@ -208,7 +206,7 @@ class FSDPModule:
         # Checked against every group's meshes before anything changes.
         values = []
         for g in groups:  # a loop, not a comprehension: warnings point at the caller (stacklevel)
-            values.append(reshard_after_forward_value(reshard_after_forward, tuple(m.shard_size for m in g.meshes)))
+            values.append(check_reshard_after_forward(reshard_after_forward, tuple(m.shard_size for m in g.meshes)))
         for g, value in zip(groups, values):
             g.set_reshard_after_forward(value)
 
@@ -217,7 +215,7 @@ class FSDPModule:
         all-gather during gradient accumulation, at the cost of memory)."""
         reshard_after_backward = check_bool("set_reshard_after_backward", reshard_after_backward)
         for g in self._target_groups(recurse):
-            g.reshard_after_backward = reshard_after_backward
+            g.settings.reshard_after_backward = reshard_after_backward
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """``True`` keeps the unsharded parameters' storage when resharding: the next
@@ -228,7 +226,7 @@ class FSDPModule:
         their own tensors: those are not kept.)"""
         keep = check_bool("set_keep_unsharded_storage", keep)
         for g in self._target_groups(recurse):
-            g.user_comm.keep_unsharded_storage = keep
+            g.settings.collectives.keep_unsharded_storage = keep
             if not keep and g.shard_state in (ShardState.SHARDED, ShardState.PARTIAL):
                 for b in g.buckets:
                     b.free_unsharded()
@@ -238,15 +236,15 @@ class FSDPModule:
         modules whose backward does not read them (e.g. an embedding: its weight's
         gradient needs only the indices). Gradients are reduced as usual."""
         unshard_in_backward = check_bool("set_unshard_in_backward", unshard_in_backward)
-        self._fsdp2_state.group.unshard_in_backward = unshard_in_backward
+        self._fsdp2_state.group.settings.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's, in forward."""
-        self._fsdp2_state.group.forward_prefetch = _prefetch_groups("set_modules_to_forward_prefetch", modules)
+        self._fsdp2_state.group.settings.forward_prefetch = _prefetch_groups("set_modules_to_forward_prefetch", modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters right after this module's, in backward."""
-        self._fsdp2_state.group.backward_prefetch = _prefetch_groups("set_modules_to_backward_prefetch", modules)
+        self._fsdp2_state.group.settings.backward_prefetch = _prefetch_groups("set_modules_to_backward_prefetch", modules)
 
     # ------------------------------------ collectives: hooks, custom collectives
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream: Any = None) -> None:
@@ -270,7 +268,7 @@ class FSDPModule:
                 raise ValueError("set_all_reduce_hook(stream=...) cannot be set with native HSDP (a 2D mesh)")
             if mesh.device_type == "cpu":
                 raise ValueError("set_all_reduce_hook(stream=...): streams exist on accelerators only; pass None on CPU")
-        group.user_comm.all_reduce_hook = hook
+        group.settings.collectives.all_reduce_hook = hook
         for b in group.buckets:
             b.update_direct()  # one rank without a dtype change: reduce (a copy) all the same
 
@@ -282,7 +280,7 @@ class FSDPModule:
         check_comm("set_custom_all_gather", comm)
         check_one_mesh("set_custom_all_gather", self._fsdp2_state.group, "collective")
         check_not_quantized("set_custom_all_gather", comm, self._fsdp2_state.group, "gather")
-        self._fsdp2_state.group.user_comm.all_gather = comm
+        self._fsdp2_state.group.settings.collectives.all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this module's gradients with ``comm`` (torch's
@@ -295,7 +293,7 @@ class FSDPModule:
         check_one_mesh("set_custom_reduce_scatter", self._fsdp2_state.group, "collective")
         check_not_quantized("set_custom_reduce_scatter", comm, self._fsdp2_state.group, "reduce")
         group = self._fsdp2_state.group
-        group.user_comm.reduce_scatter = comm
+        group.settings.collectives.reduce_scatter = comm
         for b in group.buckets:
             b.update_direct()
 
@@ -313,7 +311,7 @@ class FSDPModule:
         for; here it only decides ``None`` or zeros."""
         zero_unused = check_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
         for g in self._target_groups(recurse):
-            g.user_comm.zero_unused = zero_unused
+            g.settings.collectives.zero_unused = zero_unused
 
     def set_post_optim_event(self, event: Any | None) -> None:
         """An event recorded after the optimizer step for the all-gather streams to wait

@@ -5,7 +5,6 @@ default mesh."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -70,34 +69,6 @@ def validate_mesh(mesh: Any, what: str = "the mesh passed to fully_shard") -> No
             )
     if mesh.device_type != "meta" and mesh.get_coordinate() is None:
         raise ValueError(f"this rank is not part of {what} ({mesh})")
-
-
-def reshard_after_forward_value(
-    value: Any, sizes: tuple[int, ...], used: tuple[int, ...] | None = None
-) -> bool | int | None:
-    """``value`` checked against the shard sizes of the group's meshes (one, or one per
-    mesh with per-parameter meshes), an int that means a bool turned into it: 1 (keep
-    all of them, reshard to one rank's worth) is ``False`` and the shard size of every
-    mesh in ``used`` (default: ``sizes``) is ``True``."""
-    if value is None or isinstance(value, bool):
-        return value
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward expects a bool, an int or None, got {type(value).__name__}")
-    if not all(1 <= value <= world and world % value == 0 for world in sizes):
-        what = f"the shard size {sizes[0]}" if len(sizes) == 1 else f"every shard size of the group's meshes {sizes}"
-        raise ValueError(
-            f"reshard_after_forward={value} must divide {what} (the data-parallel "
-            "dim parameters are sharded over); "
-            "use True (free all) or False (keep all) otherwise"
-        )
-    if value == 1:
-        warnings.warn(
-            "reshard_after_forward=1 (int) keeps the whole parameters after forward, as "
-            "reshard_after_forward=False does; pass True to free them",
-            stacklevel=3,
-        )
-        return False
-    return True if all(value == world for world in (used or sizes)) else value
 
 
 def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:

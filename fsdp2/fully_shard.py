@@ -22,7 +22,6 @@ from ._placement import MeshTarget, resolve_placements
 from ._validate import (
     default_mesh,
     param_dtypes,
-    reshard_after_forward_value,
     validate_dp_mesh_dims,
     validate_ignored,
     validate_mesh,
@@ -37,6 +36,7 @@ from .params.shared import SharedParam, find_under, shared_error
 from .params.spmd_annotations import pausing_typecheck
 from .params.state_dict import register_state_dict_hooks
 from .runtime.group import ParamGroup, ShardState
+from .runtime.settings import GroupSettings, check_reshard_after_forward
 from .runtime.state import FSDPState
 
 # id(original parameter) -> (weak refs to it and to the FSDPParam that replaced it): an
@@ -116,7 +116,7 @@ def fully_shard(
     used = list(dict.fromkeys(pl.target for pl in placed)) or [default]
     # Checked against every mesh, the call's own too (as torch); an int equal to the shard
     # size of every mesh in use means True (``ParamGroup.meshes`` decides alike later).
-    reshard_after_forward = reshard_after_forward_value(
+    reshard_after_forward = check_reshard_after_forward(
         reshard_after_forward, tuple(t.shard_size for t in targets), tuple(t.shard_size for t in used)
     )
 
@@ -128,10 +128,8 @@ def fully_shard(
     for fp, (gathered, grad, explicit) in zip(fsdp_params, dtypes):
         fp.policy_dtype, fp.grad_dtype, fp.explicit_grad_dtype = gathered, grad, explicit
     shard_device = torch.device("meta") if any(p.device.type == "meta" for p in params) else device
-    group = ParamGroup(
-        fsdp_params, params, modules, infos[default], shard_device, mp_policy, reshard_after_forward, offload_policy
-    )
-    group.shared_elsewhere = shared
+    settings = GroupSettings(mp_policy, offload_policy, reshard_after_forward)
+    group = ParamGroup(fsdp_params, params, modules, infos[default], shard_device, settings, shared)
     _move_buffers(modules, device)
     _mark_managed(modules)
     for fp, original in zip(fsdp_params, params):

@@ -71,7 +71,7 @@ class _Fsdp2Stage(_PipelineStageBase):
             return kept[1]
         groups = groups_under(self.submod)
         for g in groups:
-            g.in_pipeline_stage = True
+            g.mark_driven_by_stage()
         if groups and all(g.ctx is not None for g in groups):
             self.__dict__["_fsdp2_kept"] = (self.submod, groups)
         return groups
@@ -88,9 +88,9 @@ class _Fsdp2Stage(_PipelineStageBase):
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         groups = self._fsdp2_groups()
         for g in groups:  # Phase 1
-            g.requires_gradient_sync = g.reshard_after_backward = False
+            g.override_for_step(requires_gradient_sync=False, reshard_after_backward=False)
             if g.ctx is not None:
-                g.ctx.root.is_last_backward = False
+                g.ctx.root.override_for_step(is_last_backward=False)
             if backward_type != "full" and not g.held_by_user:
                 # ``submod.parameters()`` must list the unsharded parameters autograd saw.
                 g.hold_gathered()
@@ -104,7 +104,7 @@ class _Fsdp2Stage(_PipelineStageBase):
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
         """Shape inference runs a real backward: nothing of it is reduced."""
         for g in self._fsdp2_groups():
-            g.requires_gradient_sync = False
+            g.override_for_step(requires_gradient_sync=False)
         return super()._prepare_backward_infra(*args, **kwargs)  # type: ignore[misc]
 
     def _post_metadata_inference_cleanup(self) -> None:

@@ -189,7 +189,7 @@ def _reshard_after_backward_worker(rank: int, world: int) -> dict:
     kept = all(g.shard_state is ShardState.UNSHARDED for g in _groups(model))
     model.set_reshard_after_backward(True)
     model.set_gradient_divide_factor(3.0)  # this module's own only, as torch's
-    root_only = [g.gradient_divide_factor for g in _groups(model)].count(3.0) == 1
+    root_only = [g.settings.gradient_divide_factor for g in _groups(model)].count(3.0) == 1
     for m in model.modules():  # every one sums instead of averaging
         if isinstance(m, fsdp2.FSDPModule):
             m.set_gradient_divide_factor(1.0)

@@ -42,7 +42,7 @@ def _structure(model: nn.Module) -> list[tuple[str, tuple[str, ...], Any, str]]:
         if isinstance(m, fsdp2.FSDPModule):
             g = m._fsdp2_state.group
             params = tuple(sorted(p.fqn for b in g.buckets for p in b.params))
-            out.append((name, params, g.reshard_after_forward_arg, type(g.offload_policy).__name__))
+            out.append((name, params, g.settings.reshard_after_forward, type(g.offload_policy).__name__))
     return out
 
 

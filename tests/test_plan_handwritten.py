@@ -219,7 +219,7 @@ def units(model: nn.Module) -> Units:
     out: Units = {}
     for group, modules in groups.values():
         fqns = frozenset(names[id(fp.sharded)] for fp in group.params)
-        out[frozenset(modules)] = (fqns, group.reshard_after_forward_arg)
+        out[frozenset(modules)] = (fqns, group.settings.reshard_after_forward)
     return out
 
 

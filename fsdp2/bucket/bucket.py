@@ -324,17 +324,18 @@ class FlatBucket:
         self.kept.clear()
         self.free_unsharded()
 
-    def reshard_partial(self) -> None:
+    def reshard_partial(self, factor: int) -> None:
         """Keep only the ranks ``[index*W/factor, (index+1)*W/factor)`` of the gathered
         rows, so the backward all-gather runs over ``factor`` ranks only. (All-gather
         extensions gather whole, and so do the buckets their gather carries; a factor of
         the whole shard group means all: those buckets reshard fully.)"""
-        if self.extension or self.gather.rides or self.gather.target is None:
+        target = None if self.extension or self.gather.rides else self.gather.partial_target(factor)
+        if target is None:
             self.reshard()
             return
-        keep = self.gather.kept_rows()
+        keep = self.gather.kept_rows(target)
         self.free_unsharded()
-        self.gather.partial = keep
+        self.gather.partial, self.gather.target = keep, target
 
     def comm_numel(self) -> int:
         """One size for this bucket's all-gather output and reduce input: the pool serves

@@ -46,33 +46,34 @@ class BucketGather:
         self.input: torch.Tensor | None = None  # kept alive until the gather is waited
         self._issue: torch.futures.Future | None = None  # a deferred in-place gather
         self.partial: torch.Tensor | None = None  # rows kept after forward (integer reshard)
-        self.target: PartialTarget | None = None  # where an integer reshard keeps rows
+        self.target: PartialTarget | None = None  # whose rows ``partial`` holds
+        self._targets: dict[int, PartialTarget] = {}  # per factor, made once
 
-    def set_partial_target(self, factor: int | None) -> None:
-        """``reshard_after_forward=factor`` from now on (``None``: ``True``/``False``). A
-        factor equal to this mesh's shard size frees every row (per-parameter meshes of
-        other sizes share one value). Rows kept for another factor are dropped: the next
-        gather reads the whole shards."""
+    def partial_target(self, factor: int) -> PartialTarget | None:
+        """Where ``reshard_after_forward=factor`` keeps rows on this bucket's mesh (made
+        the first time, at ``fully_shard`` or ``set_reshard_after_forward``); ``None``
+        where the factor is this mesh's shard size (per-parameter meshes of other sizes
+        share one value): every row is freed."""
         world = self.bucket.comm.shard_size
-        if factor is not None and world % factor:
+        if world % factor:
             raise AssertionError(f"fsdp2 internal error: reshard factor {factor} does not divide {world}")
-        target = None if factor is None or factor == world else PartialTarget(factor, *self.bucket.comm.partial_group(factor))
-        if target != self.target:
-            self.partial = None
-        self.target = target
+        if factor == world:
+            return None
+        target = self._targets.get(factor)
+        if target is None:
+            target = self._targets[factor] = PartialTarget(factor, *self.bucket.comm.partial_group(factor))
+        return target
 
     def in_flight(self) -> bool:
         """A collective still writes the unsharded storage (or a deferred one will)."""
         ext = self.bucket.extension_gather
         return self._pending is not None or self._issue is not None or (ext is not None and ext.in_flight)
 
-    def kept_rows(self) -> torch.Tensor:
+    def kept_rows(self, target: PartialTarget) -> torch.Tensor:
         """A copy of the gathered rows of ranks ``[index*W/factor, (index+1)*W/factor)``
-        (``self.target``)."""
+        (``target``)."""
         b = self.bucket
-        if self.target is None:
-            raise AssertionError("fsdp2 internal error: kept rows without a partial target")
-        factor, _, index = self.target
+        factor, _, index = target
         rows = b.comm.shard_size // factor
         keep = torch.empty(rows * b.shard_numel, dtype=b.compute_dtype, device=b.device)
         if b.shard_numel:
@@ -84,28 +85,37 @@ class BucketGather:
         return keep
 
     def start(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
-        """Phase 1 of unshard: issue the all-gather (from the partial shard if kept). In
-        place, with ``after`` (a reduce in storage still in flight), it is issued only once
-        that reduce completed and freed its storage, so the two never hold memory at once."""
+        """Phase 1 of unshard: issue the all-gather, from the rows kept after forward if
+        ``from_partial`` and they are kept (over their ranks only), else of the whole
+        shards (``start_whole``)."""
         b = self.bucket
         if b.shard_numel == 0 or b.gather_is_identity:
             return
-        comm = b.comm
         if b.extension_gather is not None:
-            b.extension_gather.start(comm.shard_group, b.mp_policy, b.user.all_gather)
-            return
-        if from_partial and self.target is not None and self.partial is not None:
-            source, group = self.partial, self.target.group
+            b.extension_gather.start(b.comm.shard_group, b.mp_policy, b.user.all_gather)
+        elif from_partial and self.target is not None and self.partial is not None:
+            self._gather(self.partial, self.target.group)
         else:
-            source, group = b.sharded_flat[: b.shard_numel], comm.shard_group
-            if b.in_place is not None and b.in_place.gathers and b.user.all_gather is None:
-                if after is not None and not after.done() and not debug_enabled():
-                    issue = functools.partial(self._start_in_place, source)
-                    self._issue = comm.local.gather_queue.issue_after(after, issue)
-                else:
-                    self._start_in_place(source)
-                return
-            source = self.compute_input(source)
+            self.start_whole(after)
+
+    def start_whole(self, after: torch.futures.Future | None) -> None:
+        """The all-gather of the whole shards. In place, with ``after`` (a reduce in
+        storage still in flight), it is issued only once that reduce completed and freed
+        its storage, so the two never hold memory at once."""
+        b = self.bucket
+        source = b.sharded_flat[: b.shard_numel]
+        if b.in_place is not None and b.in_place.gathers and b.user.all_gather is None:
+            if after is not None and not after.done() and not debug_enabled():
+                issue = functools.partial(self._start_in_place, source)
+                self._issue = b.comm.local.gather_queue.issue_after(after, issue)
+            else:
+                self._start_in_place(source)
+            return
+        self._gather(self.compute_input(source), b.comm.shard_group)
+
+    def _gather(self, source: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Gather ``source`` over ``group``: with the user's collective, or into a pooled buffer."""
+        b, comm = self.bucket, self.bucket.comm
         self.input = source
         label = f"all-gather of {b.name}"
         custom = b.user.all_gather

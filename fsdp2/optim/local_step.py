@@ -183,7 +183,7 @@ def _undo(optimizer: torch.optim.Optimizer, mine: LocalSteps) -> list[_GroupSwap
         raise AssertionError("fsdp2 internal error: expected mine.active is not None")
     swaps, mine.active = mine.active[0], None
     for g in _groups(swaps):
-        g.unfinished_steps = [r for r in g.unfinished_steps if r() not in (optimizer, None)]
+        g.keep_unfinished_steps(lambda r: r() not in (optimizer, None))
     _restore(optimizer, swaps)
     return swaps
 
@@ -198,7 +198,7 @@ def _before_load(optimizer: torch.optim.Optimizer, state_dict: Any = None) -> No
 def _note_on_groups(optimizer: torch.optim.Optimizer, swaps: list[_GroupSwap]) -> None:
     """The model's groups remember the step in flight over them (``repair_owned``)."""
     for g in _groups(swaps):
-        g.unfinished_steps.append(weakref.ref(optimizer))
+        g.note_unfinished_step(weakref.ref(optimizer))
 
 
 def repair_owned(groups: list[Any]) -> None:
@@ -215,7 +215,7 @@ def repair_owned(groups: list[Any]) -> None:
                 if thread is me or not thread.is_alive():
                     _undo(opt, mine)  # also forgets it on every group it touched
         # What is left: steps still in flight on other threads (dead optimizers go).
-        g.unfinished_steps = [r for r in g.unfinished_steps if _in_flight(r)]
+        g.keep_unfinished_steps(_in_flight)
 
 
 def _in_flight(ref: weakref.ref) -> bool:

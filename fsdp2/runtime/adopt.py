@@ -44,6 +44,4 @@ def adopt_reassigned(group: ParamGroup) -> None:
     if gained:
         group.reshard()
         group.checks.forget()
-        group.buckets = rebucket(group.params, group.buckets, group.comm, group.mp_policy, group.offload_policy)
-        group.set_reshard_after_forward(group.reshard_after_forward_arg)
-        group.set_name(group.name)
+        group.replace_buckets(rebucket(group.params, group.buckets, group.comm, group.mp_policy, group.offload_policy))

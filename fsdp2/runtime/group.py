@@ -33,6 +33,7 @@ gradients into ``.grad``.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from enum import Enum, auto
 from typing import Any, Protocol
 
@@ -41,7 +42,6 @@ import torch.nn as nn
 
 from ..api import MixedPrecisionPolicy, OffloadPolicy
 from ..bucket.bucket import FlatBucket
-from ..bucket.user_comm import UserComm
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from ..params.shared import SharedParam
@@ -49,6 +49,7 @@ from ..params.spmd_annotations import paused_typecheck, pausing_typecheck
 from .calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
 from .gathered import GatheredBlock
 from .group_setup import UnshardChecks, build_buckets
+from .settings import GroupSettings, StepOverrides
 from .tree import cast_floating
 
 # Backward prefetches of in-place buckets start behind the reduce in storage still in
@@ -100,9 +101,8 @@ class ParamGroup:
         modules: list[nn.Module],
         comm: MeshInfo,
         device: torch.device,
-        mp_policy: MixedPrecisionPolicy,
-        reshard_after_forward: bool | int | None,
-        offload_policy: OffloadPolicy | None = None,
+        settings: GroupSettings,
+        shared_elsewhere: list[SharedParam] | None = None,
     ) -> None:
         self.params = params
         for p in params:
@@ -111,26 +111,16 @@ class ParamGroup:
         self.typed_params = [(p, p.annotation) for p in params if p.annotation is not None]
         self.modules = modules
         self.comm = comm
-        self.mp_policy = mp_policy
-        self.offload_policy = offload_policy
-        self.user_comm = UserComm()  # what FSDPModule's set_* methods chose, shared by the buckets
-        self.buckets = build_buckets(params, originals, comm, device, mp_policy, offload_policy, self.user_comm)
+        self.settings = settings  # the user's choices, as given (``runtime/settings.py``)
+        self.overrides = StepOverrides()  # a pipeline schedule's, while it drives the step
+        self.buckets = build_buckets(
+            params, originals, comm, device, settings.mp_policy, settings.offload_policy, settings.collectives
+        )
         self.set_name(type(modules[0]).__name__)
-        self.reshard_after_forward_arg: bool | int | None = None  # None: decided at lazy init
-        self.reshard_after_forward: bool | int = True
-        self.set_reshard_after_forward(reshard_after_forward)
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True  # HSDP: all-reduce over the replicas after the reduce-scatter
-        self.unshard_in_backward = True
-        self.gradient_divide_factor: float | None = None
-        self.is_last_backward = True
-        # ``set_manual_backward_finalization`` on the root (``runtime/root.py``), and
-        # whether this group waits for the caller's finalize to reduce.
-        self.manual_finalization = False
+        self._param_prefix = ""  # what parameter names are prefixed with in messages (at lazy init)
+        self.set_reshard_after_forward(settings.reshard_after_forward)
+        # Whether this group waits for the caller's finalize to reduce (manual finalization).
         self.finalize_pending = False
-        self.forward_prefetch: list[ParamGroup] | None = None  # explicit, overrides implicit
-        self.backward_prefetch: list[ParamGroup] | None = None
         self.training_state = TrainingState.IDLE
         self.shard_state = ShardState.SHARDED
         self.calls = BackwardCalls()
@@ -142,7 +132,6 @@ class ParamGroup:
         # gathered after their forwards until it ends (``runtime/gathered.py``).
         self.gathered_block: GatheredBlock | None = None
         self.in_pipeline_stage = False  # run by an ``fsdp2.pipelining`` stage
-        self.order_index = -1  # position in the root's recorded forward order
         self.ctx: StepContext | None = None
         self._forwarded: set[int] = set()  # modules of the group done with forward this round
         self.checks = UnshardChecks()
@@ -150,22 +139,100 @@ class ParamGroup:
         # (it raised): the root's next forward undoes it (``optim.local_step``).
         self.unfinished_steps: list[weakref.ref] = []
         # Parameters an earlier call on a sibling module manages: raised at lazy init.
-        self.shared_elsewhere: list[SharedParam] = []
+        self.shared_elsewhere: list[SharedParam] = shared_elsewhere or []
+
+    # ------------------------------------------------- settings, as the step reads them
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return self.settings.mp_policy
+
+    @property
+    def offload_policy(self) -> OffloadPolicy | None:
+        return self.settings.offload_policy
+
+    @property
+    def is_root(self) -> bool:
+        """The group of the module whose forward ran first (known once lazy init made its
+        step context)."""
+        return self.ctx is not None and self.ctx.root is self
+
+    @property
+    def reshard_after_forward(self) -> bool | int:
+        """The user's value as the step applies it: ``None`` frees the parameters after
+        forward except on the root (the root context may keep the last group too:
+        ``frees_after_forward``)."""
+        value = self.settings.reshard_after_forward
+        return (not self.is_root) if value is None else value
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        value = self.overrides.requires_gradient_sync
+        return self.settings.requires_gradient_sync if value is None else value
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        value = self.overrides.reshard_after_backward
+        return self.settings.reshard_after_backward if value is None else value
+
+    @property
+    def is_last_backward(self) -> bool:
+        value = self.overrides.is_last_backward
+        return self.settings.is_last_backward if value is None else value
+
+    def override_for_step(
+        self,
+        *,
+        requires_gradient_sync: bool | None = None,
+        reshard_after_backward: bool | None = None,
+        is_last_backward: bool | None = None,
+    ) -> None:
+        """A driver of the step (a pipeline schedule) decides the values given here until
+        ``end_overrides``; the user's settings stay as they were."""
+        o = self.overrides
+        if requires_gradient_sync is not None:
+            o.requires_gradient_sync = requires_gradient_sync
+        if reshard_after_backward is not None:
+            o.reshard_after_backward = reshard_after_backward
+        if is_last_backward is not None:
+            o.is_last_backward = is_last_backward
+
+    def end_overrides(self) -> None:
+        self.overrides.clear()
+
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """``value`` as ``check_reshard_after_forward`` returned it for every mesh of the
+        group; an int's process groups are made now, by every rank alike."""
+        self.settings.reshard_after_forward = value
+        if isinstance(value, int) and not isinstance(value, bool):
+            for b in self.buckets:
+                b.gather.partial_target(value)
+
+    def attach(self, ctx: StepContext, fqns: list[str]) -> None:
+        """Lazy init: ``ctx`` (its root's) adopts the group, named after its modules."""
+        self.ctx = ctx
+        self.set_name(", ".join(fqn or "<root>" for fqn in fqns))
+        # One module below the root: its parameters are named by their FQNs in messages.
+        self._param_prefix = fqns[0] if len(fqns) == 1 and fqns[0] else ""
+
+    def replace_buckets(self, buckets: list[FlatBucket]) -> None:
+        """Buckets built anew (``adopt.py``: parameters that gained all-gather hooks)."""
+        self.buckets = buckets
+        self.set_name(self.name)
+
+    def mark_driven_by_stage(self) -> None:
+        self.in_pipeline_stage = True
+
+    def note_unfinished_step(self, optimizer_ref: weakref.ref) -> None:
+        self.unfinished_steps.append(optimizer_ref)
+
+    def keep_unfinished_steps(self, keep: Callable[[weakref.ref], bool]) -> None:
+        self.unfinished_steps = [r for r in self.unfinished_steps if keep(r)]
 
     @property
     def meshes(self) -> list[MeshInfo]:
         """The meshes its buckets shard over: one, or one per mesh that
         ``shard_placement_fn`` named (per-parameter meshes)."""
         return list({id(b.comm): b.comm for b in self.buckets}.values()) or [self.comm]
-
-    def set_reshard_after_forward(self, value: bool | int | None) -> None:
-        """``value`` as ``reshard_after_forward_value`` checked it against every mesh of
-        the group; an int reshards each bucket to that many of its mesh's ranks."""
-        self.reshard_after_forward_arg = value
-        self.reshard_after_forward = True if value is None else value
-        factor = value if isinstance(value, int) and not isinstance(value, bool) else None
-        for b in self.buckets:
-            b.gather.set_partial_target(factor)
 
     def set_name(self, name: str) -> None:
         """Name used in messages: the module's FQN under the root, once known."""
@@ -179,9 +246,7 @@ class ParamGroup:
         start only once ``after`` (a reduce in storage) completed."""
         if self.shard_state in (ShardState.GATHERING, ShardState.UNSHARDED):
             return
-        # The group's name prefixes the parameters' once lazy init named it after its module.
-        prefix = self.name if self.ctx is not None and self.name != "<root>" and "," not in self.name else ""
-        self.checks.run(self.buckets, self.params, self.comm.mesh.device_type, self.name, prefix)
+        self.checks.run(self.buckets, self.params, self.comm.mesh.device_type, self.name, self._param_prefix)
         if self.ctx is not None and any(b.storage_lent for b in self.buckets):
             self.ctx.finish_reduces_of(self)  # its storage still holds the gradients
         from_partial = self.shard_state is ShardState.PARTIAL
@@ -266,23 +331,15 @@ class ParamGroup:
         for p in self.params:
             p.register_sharded()
 
-    def _reshard_after_forward(self) -> None:
-        value = self.reshard_after_forward
-        if value is True:
-            if self.frees_after_forward():
-                self.reshard()
-        elif value is not False and self.shard_state is ShardState.UNSHARDED:
-            for b in self.buckets:
-                b.reshard_partial()
-            self._show_sharded(ShardState.PARTIAL)
-
     def frees_after_forward(self) -> bool:
         """Its gathered parameters are freed once its forward is done."""
         return (
             self.reshard_after_forward is True
             and not self.held_by_user
             and not (self.gathered_block is not None and self.gathered_block.has_admitted(self))
-            and not (self.reshard_after_forward_arg is None and self.ctx is not None and self.ctx.keeps_for_backward(self))
+            and not (
+                self.settings.reshard_after_forward is None and self.ctx is not None and self.ctx.keeps_for_backward(self)
+            )
         )
 
     @property
@@ -360,17 +417,19 @@ class ParamGroup:
 
     def _end_forward(self) -> None:
         """The last of the group's modules ran forward: reshard or keep the parameters."""
+        value = self.reshard_after_forward
         if self.held_by_user or self._kept_by_block():
             pass  # gathered by unshard() for the caller's own computations, or a gathered block: kept
-        elif torch.is_grad_enabled():
-            self._reshard_after_forward()
-        elif self.reshard_after_forward is True:
-            self.reshard()  # no backward follows: the kept last block is not kept
-        else:
-            # False (the root's default) or an int, as after a forward with grad: a
-            # group kept gathered stays so across no-grad forwards (every token of a
-            # generation) until the next backward, reshard() or optimizer step.
-            self._reshard_after_forward()
+        elif value is True:
+            if self.frees_after_forward() or not torch.is_grad_enabled():
+                self.reshard()  # without grad no backward follows: the kept last block is not kept
+        elif value is not False and self.shard_state is ShardState.UNSHARDED:
+            # An int keeps ``value`` ranks' rows. False (the root's default) keeps all: also
+            # across no-grad forwards (every token of a generation) until the next
+            # backward, reshard() or optimizer step.
+            for b in self.buckets:
+                b.reshard_partial(value)
+            self._show_sharded(ShardState.PARTIAL)
         if self.shard_state is not ShardState.SHARDED and not self.held_by_user:
             for b in self.buckets:
                 b.kept.note()  # checked at the next forward (``pre_forward``)
@@ -394,7 +453,7 @@ class ParamGroup:
             raise AssertionError("fsdp2 internal error: expected ctx is not None")
         ctx.on_backward_start()
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.unshard_in_backward:
+        if self.settings.unshard_in_backward:
             self.unshard()
             self.wait_for_unshard()
         for b in self.buckets:
@@ -451,8 +510,47 @@ class ParamGroup:
                     # Every rank decides alike here, whatever gradients it deposited
                     # (which ones a rank computed can depend on its data).
                     b.lend_storage()
-                b.reduce.start(self.divide_factor(b), self.requires_all_reduce)
+                b.reduce.start(self.divide_factor(b), self.settings.requires_all_reduce)
                 self.ctx.add_pending_reduce(self, b)
+
+    def end_backward(self) -> None:
+        """After the commit at the end of a backward: an ``unshard()`` window ends with it;
+        reshard per ``reshard_after_backward``."""
+        self.held_by_user = False
+        if self.reshard_after_backward:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def defer_to_finalize(self) -> None:
+        """Manual finalization, at the end of each backward (``RootContext.defer_to_finalize``):
+        what would reduce waits for the caller's finalize; what accumulates does."""
+        if self.has_backward_left():
+            if self.requires_gradient_sync:
+                self.forget_calls()
+                self.finalize_pending = True
+            else:
+                self.post_backward()  # accumulates, and marks itself pending
+        self.training_state = TrainingState.IDLE
+
+    def finalize(self) -> None:
+        """Manual finalization, at the caller's ``finalize_backward()``: reduce what
+        waits, or reshard per ``reshard_after_backward``."""
+        if self.finalize_pending and self.requires_gradient_sync:
+            self.post_backward()
+        elif self.reshard_after_backward and not self.held_by_user:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def open_user_window(self) -> None:
+        """``unshard()`` outside a forward: the parameters stay gathered for the caller's
+        own computations, whose gradients may come without a forward of ours."""
+        self.held_by_user = True
+        self.calls.reduce_at_finalize = True
+
+    def close_user_window(self) -> None:
+        """``reshard()`` outside a step: gradients no longer come without a forward."""
+        if self.training_state is TrainingState.IDLE and not (self.ctx is not None and self.ctx.in_backward):
+            self.calls.reduce_at_finalize = False
 
     def has_backward_left(self) -> bool:
         """At the end of a backward: Phase 4 has yet to run for forward calls whose node
@@ -471,7 +569,7 @@ class ParamGroup:
     def divide_factor(self, bucket: FlatBucket) -> float:
         """What ``bucket``'s reduced gradients are divided by: the ranks of its mesh (as
         torch divides each per-parameter mesh's group), or the user's factor."""
-        return float(self.gradient_divide_factor or bucket.comm.dp_size)
+        return float(self.settings.gradient_divide_factor or bucket.comm.dp_size)
 
     def reset(self, clear_grads: bool = False) -> None:
         """Forget this iteration: reshard, drop deposited gradients and pending work (and

@@ -92,6 +92,7 @@ class RootContext:
         self.active_forwards = 0  # pre_forwards without their post_forward yet
         self.open_methods = 0  # registered methods running (``FSDPState.call_registered``)
         self.forward_order: list[ParamGroup] = []
+        self.position: dict[ParamGroup, int] = {}  # each group's index in ``forward_order``
         self.order_frozen = False
         self.pending_reduces: deque[tuple[ParamGroup, FlatBucket]] = deque()
 
@@ -107,7 +108,7 @@ class RootContext:
                 groups.append(sub_state.group)
         raise_deferred([c for g in groups for c in g.shared_elsewhere], module)
         for g in groups:
-            if g.manual_finalization and g is not root:
+            if g.settings.manual_finalization and g is not root:
                 raise RuntimeError(
                     "set_manual_backward_finalization must be called on the root module (the outermost "
                     f"module fully_shard was applied to, here {type(module).__name__}), not on an inner one"
@@ -118,11 +119,7 @@ class RootContext:
         ctx.watch_root_modules()
         fqns = {id(m): name for name, m in module.named_modules()}
         for g in groups:
-            g.ctx = ctx
-            g.set_name(", ".join(fqns.get(id(m)) or "<root>" for m in g.modules))
-            if g.reshard_after_forward_arg is None:
-                # The root's parameters are needed first in backward: keep them.
-                g.reshard_after_forward = g is not root
+            g.attach(ctx, [fqns.get(id(m)) or "" for m in g.modules])
         return ctx
 
     def watch_root_modules(self) -> None:
@@ -154,8 +151,8 @@ class RootContext:
             self.reset()
 
     def record_forward(self, group: ParamGroup) -> None:
-        if not self.order_frozen and group.order_index < 0:
-            group.order_index = len(self.forward_order)
+        if not self.order_frozen and group not in self.position:
+            self.position[group] = len(self.forward_order)
             self.forward_order.append(group)
 
     def end_forward(self) -> None:
@@ -171,9 +168,9 @@ class RootContext:
                 g.reshard()
 
     def forward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
-        if group.forward_prefetch is not None:
-            return group.forward_prefetch
-        i = group.order_index
+        if group.settings.forward_prefetch is not None:
+            return group.settings.forward_prefetch
+        i = self.position.get(group, -1)
         if not self.order_frozen or i < 0 or i + 1 >= len(self.forward_order):
             return []
         return [self.forward_order[i + 1]]
@@ -181,17 +178,17 @@ class RootContext:
     def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
         # Never one whose backward already started (the root): it was gathered then, and
         # if it was freed since (``free_unreferenced``), nothing needs it again.
-        if group.backward_prefetch is not None:
+        if group.settings.backward_prefetch is not None:
             return [
                 t
-                for t in group.backward_prefetch
-                if t.training_state is not TrainingState.PRE_BACKWARD and t.unshard_in_backward
+                for t in group.settings.backward_prefetch
+                if t.training_state is not TrainingState.PRE_BACKWARD and t.settings.unshard_in_backward
             ]
-        i = group.order_index
+        i = self.position.get(group, -1)
         if i <= 0 or not self.order_frozen:
             return []
         target = self.forward_order[i - 1]
-        waiting = target.calls.awaiting and target.unshard_in_backward
+        waiting = target.calls.awaiting and target.settings.unshard_in_backward
         return [target] if waiting and target.training_state is not TrainingState.PRE_BACKWARD else []
 
     # --------------------------------------------------------------- backward
@@ -282,11 +279,13 @@ class RootContext:
         backward (``fsdp2.pipelining``: after the last micro-batch): every group reduces
         what its leaves accumulated, as the end of a backward would, and reshards."""
         for g in self.groups:
-            g.requires_gradient_sync = g.reshard_after_backward = True
+            g.override_for_step(requires_gradient_sync=True, reshard_after_backward=True)
             if not g.direct:
                 g.post_backward()  # every group on every rank: the same collectives
-        self.root.is_last_backward = True
+        self.root.override_for_step(is_last_backward=True)
         self._commit()
+        for g in self.groups:
+            g.end_overrides()  # the user's settings hold again
 
     def complete_backward(self) -> None:
         """The end of a manually finalized iteration: wait for every reduce, write ``.grad``."""
@@ -313,21 +312,18 @@ class RootContext:
                         given += b.commit.commit_direct(g.divide_factor(b), ran)
             for b in g.buckets:
                 given += b.commit.commit()
-            g.held_by_user = False  # an unshard() window ends with the backward
-            if g.reshard_after_backward:
-                g.reshard()
-            g.training_state = TrainingState.IDLE
+            g.end_backward()
         run_post_accumulate_hooks(given)
 
     # ------------------------------------------------- manual finalization
     @property
     def manual(self) -> bool:
         """The mode of the backward under way, else the one the root asks for."""
-        return self.root.manual_finalization if self.manual_active is None else self.manual_active
+        return self.root.settings.manual_finalization if self.manual_active is None else self.manual_active
 
     def start_manual_iteration(self) -> None:
         if self.manual_active is None:
-            self.manual_active = self.root.manual_finalization
+            self.manual_active = self.root.settings.manual_finalization
 
     def check_no_reduction_pending(self, what: str) -> None:
         if self.reduction is not None:
@@ -337,15 +333,8 @@ class RootContext:
         """Phase 1, at the end of each backward in manual mode. (A group on one rank
         without a dtype change, ``direct``, keeps its state: the commit reads it.)"""
         for g in self.groups:
-            if g.direct:
-                continue
-            if g.has_backward_left():
-                if g.requires_gradient_sync:
-                    g.forget_calls()
-                    g.finalize_pending = True
-                else:
-                    g.post_backward()  # accumulates, and marks itself pending
-            g.training_state = TrainingState.IDLE
+            if not g.direct:
+                g.defer_to_finalize()
         self.in_backward = False
 
     @pausing_typecheck
@@ -355,13 +344,8 @@ class RootContext:
         self._check_finalizable()
         try:
             for g in reversed(self.groups):
-                if g.direct:
-                    continue
-                if g.finalize_pending and g.requires_gradient_sync:
-                    g.post_backward()
-                elif g.reshard_after_backward and not g.held_by_user:
-                    g.reshard()
-                g.training_state = TrainingState.IDLE
+                if not g.direct:
+                    g.finalize()
             if not async_op:
                 self.complete_backward()
                 return None
@@ -385,7 +369,7 @@ class RootContext:
                 else "finalize_backward: the last backward did not complete (it raised); call reset_iter_state()"
             )
         for g in self.groups:
-            pending = g.finalize_pending and g.requires_gradient_sync and not g.requires_all_reduce
+            pending = g.finalize_pending and g.requires_gradient_sync and not g.settings.requires_all_reduce
             if any(b.reduce.holds_partial() or (pending and b.comm.is_hsdp) for b in g.buckets):
                 raise RuntimeError(
                     f"manual backward finalization does not support partial gradient reductions (HSDP with "

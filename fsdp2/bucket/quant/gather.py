@@ -39,11 +39,10 @@ class QuantizedGather(BucketGather):
         self._rows: RowLayout | None = None  # set while a quantized gather is in flight
         self._codec: BlockCodec | None = None
 
-    def start(self, from_partial: bool, after: torch.futures.Future | None = None) -> None:
+    def start_whole(self, after: torch.futures.Future | None) -> None:
         b = self.bucket
-        kept = from_partial and self.target is not None and self.partial is not None
-        if b.shard_numel == 0 or kept or b.user.all_gather is not None or not quantizes(b):
-            return super().start(from_partial, after)
+        if b.user.all_gather is not None or not quantizes(b):
+            return super().start_whole(after)
         comm = b.comm
         source = b.sharded_flat[: b.shard_numel]
         if b.offload is not None:
