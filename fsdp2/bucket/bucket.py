@@ -359,7 +359,7 @@ class KeptCopy:
         self.bucket = bucket
         self.version: int | None = None  # the shards' version when the copy was kept
 
-    def note(self) -> None:
+    def remember_shards_version(self) -> None:
         """A forward ends with the gathered (or partially kept) parameters left in place."""
         self.version = None if self.bucket.gather_is_identity else self._shards_version()
 

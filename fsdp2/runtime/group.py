@@ -432,7 +432,7 @@ class ParamGroup:
             self._show_sharded(ShardState.PARTIAL)
         if self.shard_state is not ShardState.SHARDED and not self.held_by_user:
             for b in self.buckets:
-                b.kept.note()  # checked at the next forward (``pre_forward``)
+                b.kept.remember_shards_version()  # checked at the next forward (``pre_forward``)
         self.training_state = TrainingState.IDLE
 
     def _cast_output(self, output: Any) -> Any:
