@@ -1,1 +1,1 @@
-"""The training step: one ``fully_shard`` call's group and its lifecycle (unshard, reshard, pre/post forward and backward), its forward calls, and the root's hooks and step context."""
+"""The training step: one ``fully_shard`` call's settings (the user's, apart from the runtime's), its group and lifecycle (unshard, reshard, pre/post forward and backward), its forward calls, a module's hooks, and the root's step context (its words: docs/design.md's glossary)."""
