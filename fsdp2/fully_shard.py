@@ -256,7 +256,7 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                 )
     groups = [g for g in (ref() for ref in owners) if g is not None]
     gathered = [g for g in groups if g.shard_state is not ShardState.SHARDED]
-    unreduced = [p.fqn for g in groups if g.requires_gradient_sync for p in g.params if p.unsharded.grad is not None]  # type: ignore[union-attr]
+    unreduced = [p.fqn for g in groups if g.requires_gradient_sync for p in g.params if p.unsharded.grad is not None]
     if unreduced:
         warnings.warn(
             f"fsdp2: {len(unreduced)} unsharded parameter(s) ({', '.join(unreduced[:3])}, ...) hold gradients "

@@ -200,7 +200,7 @@ class ExtensionGather:
 def _releases_outputs(p: FSDPParam) -> bool:
     """The subclass's answer to ``fsdp_should_release_all_gather_outputs_after_post_all_gather``
     (``False`` without the method), checked as torch 2.15 checks it."""
-    local = p.sharded._local_tensor if p.sharded is not None else None  # type: ignore[union-attr]
+    local = p.sharded._local_tensor if p.sharded is not None else None
     ask = getattr(local, "fsdp_should_release_all_gather_outputs_after_post_all_gather", None)
     if ask is None:
         return False

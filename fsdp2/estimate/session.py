@@ -142,7 +142,7 @@ class Session:
                 self.tracker.note_module(m)  # its shards count as parameters from now on
             return out
 
-        fsdp2.fully_shard = fully_shard  # type: ignore[assignment]
+        fsdp2.fully_shard = fully_shard
         argv, path, exit_ = sys.argv, list(sys.path), os._exit
         sys.argv = [script, *args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as ``python script.py`` does
@@ -166,8 +166,8 @@ class Session:
         except _Done:
             pass
         finally:
-            sys.argv, sys.path, os._exit = argv, path, exit_  # type: ignore[assignment]
-            fsdp2.fully_shard = shard  # type: ignore[assignment]
+            sys.argv, sys.path, os._exit = argv, path, exit_
+            fsdp2.fully_shard = shard
             for h in handles:
                 h.remove()
 

@@ -75,7 +75,7 @@ class Muon(torch.optim.Muon):
         self._warned = False
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -137,7 +137,7 @@ def rebucket(
         if param is None:
             raise AssertionError("fsdp2 internal error: re-bucketing an unsharded parameter")
         fresh, grad = p.sharded, param.grad
-        torch.utils.swap_tensors(param, fresh)  # type: ignore[arg-type]
+        torch.utils.swap_tensors(param, fresh)
         param.grad = grad
         p.set_sharded(param)
         p.register_sharded()

@@ -76,7 +76,7 @@ def _slots(model: nn.Module) -> tuple[list[Any], dict[int, list[tuple[str, FSDPP
         if id(group) not in named:
             named[id(group)] = []
             slots.append(group)
-        named[id(group)].append((name, fp))  # type: ignore[arg-type]
+        named[id(group)].append((name, fp))
     return slots, named
 
 
