@@ -26,7 +26,7 @@ rest on the device (``HostOffload``, ``offload.py``); elsewhere ``offload`` is N
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -267,7 +267,8 @@ class FlatBucket:
         self._flat_alias = None
         for p in self.params:
             p.forget_alias()
-        current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
+        # What the first owner registers: our sharded parameter, as ``_apply`` left it.
+        current = [cast(torch.Tensor, p.owners[0][0]._parameters[p.owners[0][1]]) for p in self.params]
         locals_ = [c.to_local() if isinstance(c, torch.distributed.tensor.DTensor) else c for c in current]
         device, dtype = locals_[0].device, locals_[0].dtype
         # Offloaded, gathers stay on the mesh's device wherever ``_apply`` put the shards.
