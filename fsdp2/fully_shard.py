@@ -204,8 +204,7 @@ def _mark_managed(modules: list[nn.Module]) -> None:
     they change between sharded and unsharded)."""
     for root in modules:
         for module, _ in _walk_unmanaged(root):
-            module._is_fsdp_managed_module = True
-            module._fsdp_use_orig_params = True
+            module._is_fsdp_managed_module = module._fsdp_use_orig_params = True  # type: ignore[assignment]
 
 
 def _managed_elsewhere(p: torch.Tensor) -> FSDPParam | None:

@@ -83,7 +83,7 @@ class _Fsdp2Stage(_PipelineStageBase):
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         """The schedule's first call: shape inference runs a real forward."""
         self._fsdp2_groups()
-        return super()._prepare_forward_infra(*args, **kwargs)
+        return super()._prepare_forward_infra(*args, **kwargs)  # type: ignore[safe-super]
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         groups = self._fsdp2_groups()
@@ -105,7 +105,7 @@ class _Fsdp2Stage(_PipelineStageBase):
         """Shape inference runs a real backward: nothing of it is reduced."""
         for g in self._fsdp2_groups():
             g.override_for_step(requires_gradient_sync=False)
-        return super()._prepare_backward_infra(*args, **kwargs)
+        return super()._prepare_backward_infra(*args, **kwargs)  # type: ignore[safe-super]
 
     def _post_metadata_inference_cleanup(self) -> None:
         """Shape inference ran a real forward and backward: forget all of it."""

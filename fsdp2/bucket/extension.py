@@ -32,7 +32,7 @@ the same collective, as bytes, and their rows are copied out to them when it com
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -100,7 +100,7 @@ class ExtensionGather:
         b = self.bucket
         # Its own local tensor, never a rebuilt one: state kept there (torchao's
         # precomputed scale) and hooks bound to it are what the hook must see.
-        local = p.sharded._local_tensor  # type: ignore[union-attr]
+        local = _hooked_local(p)
         hook = local.fsdp_pre_all_gather
         n_args = len(inspect.signature(hook).parameters)
         if n_args == 1:
@@ -162,7 +162,7 @@ class ExtensionGather:
         self._sent = []
 
     def _post(self, i: int, p: FSDPParam, meta: Any, dtype: torch.dtype) -> None:
-        local = p.sharded._local_tensor  # type: ignore[union-attr]
+        local = _hooked_local(p)
         outputs = tuple(self.outputs[i])
         if self.built[i]:
             for t in self.inners[i]:
@@ -195,6 +195,13 @@ class ExtensionGather:
                 if r.extension_gather is not None:
                     r.extension_gather._sent = []
             self._buffers, self._sent, self._riding = None, [], []
+
+
+def _hooked_local(p: FSDPParam) -> Any:
+    """The local tensor of ``p``'s shard: it (or its class) has the all-gather hooks."""
+    if p.sharded is None:
+        raise AssertionError(f"fsdp2 internal error: {p.fqn} gathers before it is sharded")
+    return p.sharded._local_tensor
 
 
 def _releases_outputs(p: FSDPParam) -> bool:
@@ -232,4 +239,4 @@ def _realloc(t: torch.Tensor) -> None:
     nbytes = t.numel() * t.element_size()
     storage = t.untyped_storage()
     if storage.nbytes() < nbytes + t.storage_offset() * t.element_size():
-        storage.resize_(nbytes + t.storage_offset() * t.element_size())
+        storage.resize_(cast(int, nbytes + t.storage_offset() * t.element_size()))

@@ -52,7 +52,7 @@ class Piece(NamedTuple):
     (``slices``) when it is one, else index tensors (``_StridedShard``)."""
 
     slices: tuple[slice, ...] | None
-    index: tuple[torch.Tensor, ...]
+    index: tuple[torch.Tensor, ...]  # type: ignore[assignment]  # shadows tuple.index, as named
     shape: tuple[int, ...]
 
     @staticmethod

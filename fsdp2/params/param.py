@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -122,6 +122,7 @@ class FSDPParam:
         # Mesh dims of the unsharded DTensor whose gradient placements are left to the
         # reduce (SPMD meshes: the data-parallel dims); the rest are redistributed to tp's.
         self.dp_dims: frozenset[int] = frozenset()
+        self.placements: tuple[Placement, ...]
         if info.spmd is not None:
             if self.tp is None:
                 raise AssertionError("fsdp2 internal error: SPMD parameters are DTensors")
@@ -129,7 +130,7 @@ class FSDPParam:
             self.dp_dims = info.spmd.dp
         elif self.tp is None:
             self.mesh = info.mesh
-            self.placements: tuple[Placement, ...] = info.dp_placements(fsdp)
+            self.placements = info.dp_placements(fsdp)
         else:
             tp_mesh, tp_placements = self.tp
             self.mesh = concatenate_meshes(info.mesh, tp_mesh, fqn)
@@ -329,11 +330,11 @@ class FSDPParam:
         target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, self.tp[1])))
         if tuple(grad.placements) != target:
             if defer_tp_in is not None:
-                grad = grad.to(defer_tp_in)
-                self._tp_pending = grad if self._tp_pending is None else self._tp_pending + grad
+                grad = cast(DTensor, grad.to(defer_tp_in))
+                self._tp_pending = grad if self._tp_pending is None else cast(DTensor, self._tp_pending + grad)
                 return None
             if self._tp_pending is not None:
-                grad, self._tp_pending = self._tp_pending + grad, None
+                grad, self._tp_pending = cast(DTensor, self._tp_pending + grad), None
             grad = grad.redistribute(self.tp[0], target)
         return grad.to_local()
 

@@ -156,7 +156,9 @@ class Plan:
         ``fully_shard`` defaults to fsdp2's; torch's may be passed for comparison."""
         self._check_model(model)
         if fully_shard is None:
-            from ..fully_shard import fully_shard
+            from ..fully_shard import fully_shard as ours
+
+            fully_shard = ours
         from torch.distributed._composable import checkpoint
 
         for fn, modules, kwargs in self.calls():

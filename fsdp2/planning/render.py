@@ -129,7 +129,10 @@ def _run(units: list, start: int) -> int:
 
 def _loop(units: list, model: str) -> list[str]:
     first = units[0][1][0]
-    prefix, index = _INDEXED.match(first).group(1) or "", int(_INDEXED.match(first).group(2))
+    indexed = _INDEXED.match(first)
+    if indexed is None:
+        raise AssertionError(f"fsdp2 internal error: {first} is not an indexed block")
+    prefix, index = indexed.group(1) or "", int(indexed.group(2))
     head = f"for i in range({index}, {index + len(units)}):"
     body = _unit(units[0], model, "    ", target=f'{model}.get_submodule(f"{prefix}{{i}}")', name="block")
     return [head, *body]
