@@ -9,7 +9,7 @@ import numbers
 import sys
 import types
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -57,13 +57,13 @@ class FSDPModule(_MixedInto):
         original.__init__(module, *args, **kwargs)
         return module
 
-    def __deepcopy__(self, memo: dict) -> Any:
+    def __deepcopy__(self, memo: dict) -> NoReturn:
         raise TypeError(
             "a fully_shard-ed module cannot be deep-copied: its parameters are shards tied to "
             "process groups; deepcopy the model before calling fully_shard"
         )
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> NoReturn:
         raise TypeError(
             "a fully_shard-ed module cannot be pickled; save its state_dict() "
             "(e.g. with torch.distributed.checkpoint) instead"

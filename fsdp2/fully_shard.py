@@ -225,7 +225,7 @@ def _remember(registry: dict, key: int, value: Any) -> None:
         weakref.finalize(target, registry.pop, key, None)
 
 
-def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """Global optimizer step pre-hook: refuse to step parameters fully_shard replaced,
     reshard groups still gathered from before (their gathered copy is about to go stale),
     then step managed parameters on their local shards where that is exact."""

@@ -39,6 +39,7 @@ import torch
 from ..comm.collectives import Pending, all_gather_flat, traced, wait_pending
 
 if TYPE_CHECKING:
+    from ..api import MixedPrecisionPolicy
     from ..params.param import FSDPParam
     from .view import BucketView
 
@@ -91,7 +92,7 @@ class ExtensionGather:
         self._buffers = (send, recv)
         self._pending = all_gather_flat(send, recv, group, label=label)
 
-    def collect(self, mp_policy: Any) -> list[torch.Tensor]:
+    def collect(self, mp_policy: MixedPrecisionPolicy | None) -> list[torch.Tensor]:
         """Phase 1: every parameter's all-gather inputs, from its hook (kept for ``take``)."""
         self._sent = [self._pre(p, mp_policy) for p in self.bucket.params]
         return [t for inputs, _ in self._sent for t in inputs]

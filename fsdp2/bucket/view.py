@@ -14,9 +14,11 @@ from typing import Any, Protocol
 
 import torch
 
+from ..api import MixedPrecisionPolicy
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from .offload import HostOffload
+from .quant.spec import QuantizedComm
 from .user_comm import UserComm
 
 
@@ -47,9 +49,9 @@ class BucketView(Protocol):
     gather_is_identity: bool  # one rank, one dtype: the shards are the unsharded values
     extension_gather: Any  # its ``ExtensionGather``, or None
     user: UserComm  # the group's ``set_*`` choices
-    mp_policy: Any  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
+    mp_policy: MixedPrecisionPolicy | None  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
     gather: Any  # its ``BucketGather``
-    quant: Any  # its ``quant.spec.QuantizedComm``: what the policy asks to quantize
+    quant: QuantizedComm  # its ``quant.spec.QuantizedComm``: what the policy asks to quantize
 
     @property
     def storage_lent(self) -> bool: ...  # ``in_place`` holds the unsharded storage for a reduce
