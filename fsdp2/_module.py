@@ -9,7 +9,7 @@ import numbers
 import sys
 import types
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -26,12 +26,18 @@ from ._validate import (
 from .params.state_dict import validate_state_dict
 from .runtime.adopt import rebind
 from .runtime.group import ParamGroup, ShardState
-from .runtime.root import GradientReductionHandle
+from .runtime.root import GradientReductionHandle, RootContext
 from .runtime.settings import check_reshard_after_forward
 from .runtime.state import FSDPState
 
+if TYPE_CHECKING:
+    # For the checker, the mixin is what it always is mixed into (``fsdp_class``): a module.
+    _MixedInto = nn.Module
+else:
+    _MixedInto = object
 
-class FSDPModule:
+
+class FSDPModule(_MixedInto):
     """Mixin of every module ``fully_shard`` was applied to. Its methods below are grouped
     by what they tune: gathering, gradients, memory, the collectives themselves (torch
     2.13's names and signatures: some change what fsdp2 does, the rest tune how an
@@ -48,16 +54,16 @@ class FSDPModule:
         fully_shard was not applied to, holding the same (sharded) children."""
         original = next(c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
         module = original.__new__(original)
-        module.__init__(*args, **kwargs)
+        original.__init__(module, *args, **kwargs)
         return module
 
-    def __deepcopy__(self, memo: dict) -> Any:
+    def __deepcopy__(self, memo: dict) -> NoReturn:
         raise TypeError(
             "a fully_shard-ed module cannot be deep-copied: its parameters are shards tied to "
             "process groups; deepcopy the model before calling fully_shard"
         )
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> NoReturn:
         raise TypeError(
             "a fully_shard-ed module cannot be pickled; save its state_dict() "
             "(e.g. with torch.distributed.checkpoint) instead"
@@ -128,7 +134,7 @@ class FSDPModule:
         backward or between a backward and its finalize raises."""
         enabled = check_bool("set_manual_backward_finalization", enabled)
         group = self._fsdp2_state.group
-        ctx = group.ctx
+        ctx = cast("RootContext | None", group.ctx)  # the root's (``RootContext.lazy_init``)
         if ctx is not None and ctx.root is not group:
             raise RuntimeError(
                 "set_manual_backward_finalization must be called on the root module (the outermost module "
@@ -153,7 +159,7 @@ class FSDPModule:
         root's first forward; on the root module only."""
         async_op = check_bool("finalize_backward(async_op=...)", async_op)
         group = self._fsdp2_state.group
-        ctx = group.ctx
+        ctx = cast("RootContext | None", group.ctx)  # the root's (``RootContext.lazy_init``)
         if ctx is None:
             return GradientReductionHandle() if async_op else None
         if ctx.root is not group:
@@ -350,11 +356,11 @@ class FSDPModule:
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict`` that accepts sharded DTensors or full tensors, and
         checks the whole dict (keys, shapes, dtypes) before loading anything."""
-        validate_state_dict(self, state_dict, strict)  # type: ignore[arg-type]
-        groups = groups_under(self)  # type: ignore[arg-type]
+        validate_state_dict(self, state_dict, strict)
+        groups = groups_under(self)
         for g in groups:
             g.reshard()
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:  # the dict's tensors replaced ours: copy them into our storage
             for g in groups:
                 rebind(g)
@@ -366,8 +372,8 @@ class FSDPModule:
         backward never ran: ``reshard_after_forward=False``, forward-mode AD). There
         ``parameters()`` lists the unsharded ones, and the sharded gradients would stay
         and take the next step's on top (torch's ``fully_shard`` does so)."""
-        super().zero_grad(set_to_none)  # type: ignore[misc]
-        for group in groups_under(self):  # type: ignore[arg-type]
+        super().zero_grad(set_to_none)
+        for group in groups_under(self):
             for p in group.params:
                 grad = None if p.sharded is None else p.sharded.grad
                 if grad is None:
@@ -382,7 +388,7 @@ class FSDPModule:
         # ``to_empty``/``to``/``double`` replace parameter data: re-point it at our storage.
         group = self._fsdp2_state.group
         group.reshard()
-        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        out = super()._apply(*args, **kwargs)
         rebind(group)
         return out
 

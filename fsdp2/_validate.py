@@ -93,7 +93,7 @@ def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> 
 
 
 def param_dtypes(
-    mp_policy: MixedPrecisionPolicy, params: list[nn.Parameter], fqns: dict[torch.Tensor, str]
+    mp_policy: MixedPrecisionPolicy, params: list[torch.Tensor], fqns: dict[torch.Tensor, str]
 ) -> list[tuple[torch.dtype | None, torch.dtype, bool]]:
     """Each parameter's (gather dtype, ``None``: its own; gradient dtype; whether that is an
     explicit ``grad_dtype``): the policy's ``param_dtype_override_fn`` called once per
@@ -119,10 +119,11 @@ def param_dtypes(
 
 def _from_torch(policy: Any, ours: tuple[type, ...]) -> Any:
     """fsdp2's class for a policy of torch's own class of the same name and fields."""
+    kind: type = type(policy)
     if isinstance(policy, ours) or isinstance(policy, type) or not dataclasses.is_dataclass(policy):
         return policy
     # torch's class, or a user's subclass of it: the nearest of torch's classes names it.
-    torch_cls = next((c for c in type(policy).__mro__ if c.__module__.startswith("torch.distributed")), None)
+    torch_cls = next((c for c in kind.__mro__ if c.__module__.startswith("torch.distributed")), None)
     if torch_cls is None:
         return policy
     for cls in ours:
@@ -224,6 +225,8 @@ def validate_spmd_param(p: torch.Tensor, fqn: str, spmd: SpmdDims) -> None:
         )
     for i in sorted(spmd.dp):
         if not isinstance(p.placements[i], Replicate):
+            if names is None:
+                raise AssertionError("fsdp2 internal error: an SPMD mesh without dim names")
             raise ValueError(
                 f"fully_shard(dp_mesh_dims=...): parameter {fqn} has placements {tuple(p.placements)}; "
                 f"expected Replicate() on the data-parallel dim {names[i]!r} (fully_shard shards it)"
@@ -252,7 +255,7 @@ def _accelerator_type() -> str:
     ``fsdp2.estimate`` hides CUDA from a script it runs on a GPU machine), else "cpu"."""
     acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     module = getattr(torch, acc.type, None) if acc is not None else None
-    return acc.type if module is not None and module.is_available() else "cpu"
+    return acc.type if acc is not None and module is not None and module.is_available() else "cpu"
 
 
 def check_bool(method: str, value: Any) -> bool:

@@ -204,8 +204,7 @@ def _mark_managed(modules: list[nn.Module]) -> None:
     they change between sharded and unsharded)."""
     for root in modules:
         for module, _ in _walk_unmanaged(root):
-            module._is_fsdp_managed_module = True
-            module._fsdp_use_orig_params = True
+            module._is_fsdp_managed_module = module._fsdp_use_orig_params = True  # type: ignore[assignment]
 
 
 def _managed_elsewhere(p: torch.Tensor) -> FSDPParam | None:
@@ -226,7 +225,7 @@ def _remember(registry: dict, key: int, value: Any) -> None:
         weakref.finalize(target, registry.pop, key, None)
 
 
-def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """Global optimizer step pre-hook: refuse to step parameters fully_shard replaced,
     reshard groups still gathered from before (their gathered copy is about to go stale),
     then step managed parameters on their local shards where that is exact."""
@@ -256,7 +255,7 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                 )
     groups = [g for g in (ref() for ref in owners) if g is not None]
     gathered = [g for g in groups if g.shard_state is not ShardState.SHARDED]
-    unreduced = [p.fqn for g in groups if g.requires_gradient_sync for p in g.params if p.unsharded.grad is not None]  # type: ignore[union-attr]
+    unreduced = [p.fqn for g in groups if g.requires_gradient_sync for p in g.params if p.unsharded.grad is not None]
     if unreduced:
         warnings.warn(
             f"fsdp2: {len(unreduced)} unsharded parameter(s) ({', '.join(unreduced[:3])}, ...) hold gradients "

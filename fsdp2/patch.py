@@ -231,7 +231,7 @@ def _names_read(module: types.ModuleType) -> set[str]:
             todo.append(obj.__func__)
         elif isinstance(obj, (functools.partial, functools.cached_property)):
             todo.append(obj.func)
-        elif isinstance(obj, functools._lru_cache_wrapper):  # type: ignore[attr-defined]
+        elif isinstance(obj, functools._lru_cache_wrapper):
             todo.append(obj.__wrapped__)
         elif isinstance(obj, property):
             todo.extend((obj.fget, obj.fset, obj.fdel))

@@ -78,12 +78,12 @@ class _Fsdp2Stage(_PipelineStageBase):
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         self._fsdp2_groups()  # sharded after the stage was built (torchtitan's pipeline_llm)
-        return super().forward_maybe_with_nosync(*args, **kwargs)  # type: ignore[misc]
+        return super().forward_maybe_with_nosync(*args, **kwargs)
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         """The schedule's first call: shape inference runs a real forward."""
         self._fsdp2_groups()
-        return super()._prepare_forward_infra(*args, **kwargs)  # type: ignore[misc]
+        return super()._prepare_forward_infra(*args, **kwargs)  # type: ignore[safe-super]
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         groups = self._fsdp2_groups()
@@ -94,18 +94,18 @@ class _Fsdp2Stage(_PipelineStageBase):
             if backward_type != "full" and not g.held_by_user:
                 # ``submod.parameters()`` must list the unsharded parameters autograd saw.
                 g.hold_gathered()
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)  # type: ignore[misc]
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         for ctx in _contexts(self._fsdp2_groups()):  # Phase 2
             ctx.reduce_accumulated()
-        super().perform_reduce_grad(grad_scale_factor)  # type: ignore[misc]
+        super().perform_reduce_grad(grad_scale_factor)
 
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
         """Shape inference runs a real backward: nothing of it is reduced."""
         for g in self._fsdp2_groups():
             g.override_for_step(requires_gradient_sync=False)
-        return super()._prepare_backward_infra(*args, **kwargs)  # type: ignore[misc]
+        return super()._prepare_backward_infra(*args, **kwargs)  # type: ignore[safe-super]
 
     def _post_metadata_inference_cleanup(self) -> None:
         """Shape inference ran a real forward and backward: forget all of it."""

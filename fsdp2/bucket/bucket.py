@@ -26,10 +26,12 @@ rest on the device (``HostOffload``, ``offload.py``); elsewhere ``offload`` is N
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import cast
 
 import torch
 
+from ..api import MixedPrecisionPolicy
+from ..comm.buffers import BufferPool
 from ..comm.mesh import MeshInfo
 from ..params.dtensor import own_storage_view
 from ..params.param import FSDPParam
@@ -86,7 +88,7 @@ class FlatBucket:
         self.blocks_are_the_values = all(p.layout.blocks_are_the_value for p in self.sharded_params)
         # Subclasses with an all-gather extension (in buckets of their own): their gather.
         self.extension = any(p.extension for p in params)
-        self.mp_policy: Any = None  # the group's, passed to ``fsdp_pre_all_gather``
+        self.mp_policy: MixedPrecisionPolicy | None = None  # the group's, passed to ``fsdp_pre_all_gather``
         # A ``RidingGather`` when another carries it.
         self.gather: BucketGather = BucketGather(self) if quant.gather is None else QuantizedGather(self, quant.gather)
         # The group's other buckets on this mesh, whose rows this extension bucket's
@@ -267,7 +269,8 @@ class FlatBucket:
         self._flat_alias = None
         for p in self.params:
             p.forget_alias()
-        current = [p.owners[0][0]._parameters[p.owners[0][1]] for p in self.params]
+        # What the first owner registers: our sharded parameter, as ``_apply`` left it.
+        current = [cast(torch.Tensor, p.owners[0][0]._parameters[p.owners[0][1]]) for p in self.params]
         locals_ = [c.to_local() if isinstance(c, torch.distributed.tensor.DTensor) else c for c in current]
         device, dtype = locals_[0].device, locals_[0].dtype
         # Offloaded, gathers stay on the mesh's device wherever ``_apply`` put the shards.
@@ -381,7 +384,7 @@ class KeptCopy:
         return version
 
 
-def comm_pools(buckets: list[FlatBucket]) -> list[Any]:
+def comm_pools(buckets: list[FlatBucket]) -> list[BufferPool]:
     """The pools ``buckets`` take their communication buffers from, each once."""
     return list({id(b.comm.pool): b.comm.pool for b in buckets}.values())
 

@@ -142,7 +142,7 @@ class GradCommit:
         grads = [p.sharded.grad for p in self.bucket.params]  # type: ignore[union-attr]
         self._committed = None
         if all(g is not None for g in grads):
-            self._committed = (weakref.ref(flat), span, [weakref.ref(g) for g in grads])  # type: ignore[arg-type]
+            self._committed = (weakref.ref(flat), span, [weakref.ref(g) for g in grads])
 
 
 def _accumulate_grad(p: FSDPParam, local: torch.Tensor) -> None:

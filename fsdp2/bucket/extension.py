@@ -32,13 +32,14 @@ the same collective, as bytes, and their rows are copied out to them when it com
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..comm.collectives import Pending, all_gather_flat, traced, wait_pending
 
 if TYPE_CHECKING:
+    from ..api import MixedPrecisionPolicy
     from ..params.param import FSDPParam
     from .view import BucketView
 
@@ -91,7 +92,7 @@ class ExtensionGather:
         self._buffers = (send, recv)
         self._pending = all_gather_flat(send, recv, group, label=label)
 
-    def collect(self, mp_policy: Any) -> list[torch.Tensor]:
+    def collect(self, mp_policy: MixedPrecisionPolicy | None) -> list[torch.Tensor]:
         """Phase 1: every parameter's all-gather inputs, from its hook (kept for ``take``)."""
         self._sent = [self._pre(p, mp_policy) for p in self.bucket.params]
         return [t for inputs, _ in self._sent for t in inputs]
@@ -100,7 +101,7 @@ class ExtensionGather:
         b = self.bucket
         # Its own local tensor, never a rebuilt one: state kept there (torchao's
         # precomputed scale) and hooks bound to it are what the hook must see.
-        local = p.sharded._local_tensor  # type: ignore[union-attr]
+        local = _hooked_local(p)
         hook = local.fsdp_pre_all_gather
         n_args = len(inspect.signature(hook).parameters)
         if n_args == 1:
@@ -162,7 +163,7 @@ class ExtensionGather:
         self._sent = []
 
     def _post(self, i: int, p: FSDPParam, meta: Any, dtype: torch.dtype) -> None:
-        local = p.sharded._local_tensor  # type: ignore[union-attr]
+        local = _hooked_local(p)
         outputs = tuple(self.outputs[i])
         if self.built[i]:
             for t in self.inners[i]:
@@ -197,10 +198,17 @@ class ExtensionGather:
             self._buffers, self._sent, self._riding = None, [], []
 
 
+def _hooked_local(p: FSDPParam) -> Any:
+    """The local tensor of ``p``'s shard: it (or its class) has the all-gather hooks."""
+    if p.sharded is None:
+        raise AssertionError(f"fsdp2 internal error: {p.fqn} gathers before it is sharded")
+    return p.sharded._local_tensor
+
+
 def _releases_outputs(p: FSDPParam) -> bool:
     """The subclass's answer to ``fsdp_should_release_all_gather_outputs_after_post_all_gather``
     (``False`` without the method), checked as torch 2.15 checks it."""
-    local = p.sharded._local_tensor if p.sharded is not None else None  # type: ignore[union-attr]
+    local = p.sharded._local_tensor if p.sharded is not None else None
     ask = getattr(local, "fsdp_should_release_all_gather_outputs_after_post_all_gather", None)
     if ask is None:
         return False
@@ -232,4 +240,4 @@ def _realloc(t: torch.Tensor) -> None:
     nbytes = t.numel() * t.element_size()
     storage = t.untyped_storage()
     if storage.nbytes() < nbytes + t.storage_offset() * t.element_size():
-        storage.resize_(nbytes + t.storage_offset() * t.element_size())
+        storage.resize_(cast(int, nbytes + t.storage_offset() * t.element_size()))

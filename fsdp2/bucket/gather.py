@@ -30,7 +30,7 @@ class PartialTarget(NamedTuple):
 
     factor: int
     group: dist.ProcessGroup  # the ``factor`` consecutive shard ranks this rank belongs to
-    index: int  # which block of ``factor`` ranks that is
+    index: int  # type: ignore[assignment]  # which block of ``factor`` ranks that is (shadows tuple.index)
 
 
 class BucketGather:

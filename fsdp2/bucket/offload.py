@@ -19,11 +19,9 @@ everything already lives on the host.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from ..api import CPUOffloadPolicy
+from ..api import CPUOffloadPolicy, OffloadPolicy
 
 
 class HostOffload:
@@ -33,11 +31,11 @@ class HostOffload:
         self.compute = compute
         self.host = torch.device("cpu") if host is None else host
         self.pin_memory = pin_memory
-        self._copied: Any = None  # an event after the last device -> host copy (pinned)
-        self._read: Any = None  # an event after the last host -> device copy (pinned)
+        self._copied: torch.Event | None = None  # an event after the last device -> host copy (pinned)
+        self._read: torch.Event | None = None  # an event after the last host -> device copy (pinned)
 
     @classmethod
-    def for_policy(cls, policy: Any, device: torch.device) -> HostOffload | None:
+    def for_policy(cls, policy: OffloadPolicy | None, device: torch.device) -> HostOffload | None:
         """The offload of a ``CPUOffloadPolicy`` on ``device``'s mesh; None without one
         or where the mesh's device is the host already (CPU) or has no memory (meta)."""
         if not isinstance(policy, CPUOffloadPolicy) or device.type in ("cpu", "meta"):

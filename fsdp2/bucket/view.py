@@ -9,13 +9,16 @@ and hands itself to each. They read it through this protocol rather than importi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
+from ..api import MixedPrecisionPolicy
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from .offload import HostOffload
+from .quant.spec import QuantizedComm
 from .user_comm import UserComm
 
 
@@ -42,15 +45,18 @@ class BucketView(Protocol):
     reduce: Any  # its ``BucketReduce``
     commit: Any  # its ``GradCommit``
     in_place: Any  # its ``InPlace`` strategy, or None
-    storage_lent: bool  # ``in_place`` holds the unsharded storage for a reduce
     gloo: Any  # its ``GlooStrategy``, or None off gloo
     gather_is_identity: bool  # one rank, one dtype: the shards are the unsharded values
     extension_gather: Any  # its ``ExtensionGather``, or None
     user: UserComm  # the group's ``set_*`` choices
-    mp_policy: Any  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
-    riders: list[BucketView]  # buckets whose rows its extension gather carries
+    mp_policy: MixedPrecisionPolicy | None  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
     gather: Any  # its ``BucketGather``
-    quant: Any  # its ``quant.spec.QuantizedComm``: what the policy asks to quantize
+    quant: QuantizedComm  # its ``quant.spec.QuantizedComm``: what the policy asks to quantize
+
+    @property
+    def storage_lent(self) -> bool: ...  # ``in_place`` holds the unsharded storage for a reduce
+    @property
+    def riders(self) -> Sequence[BucketView]: ...  # buckets whose rows its extension gather carries
 
     def comm_numel(self) -> int: ...
     def alloc_unsharded(self) -> None: ...

@@ -92,7 +92,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def _compare(ns: argparse.Namespace, script: str, args: list[str]) -> int:
-    variants = [("(as given)", [])] + [(v, shlex.split(v)) for v in ns.compare]
+    variants: list[tuple[str, list[str]]] = [("(as given)", [])] + [(v, shlex.split(v)) for v in ns.compare]
     reports = []
     for label, extra in variants:
         cmd = [sys.executable, "-m", "fsdp2.estimate", "--nproc-per-node", str(ns.nproc_per_node),

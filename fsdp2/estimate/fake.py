@@ -26,8 +26,8 @@ def fake_distributed(rank: int, world: int, local_world: int) -> Callable[[], No
              torch.cuda.is_available, torch.cuda.device_count)
     # Hidden twice: the variable for what starts CUDA later, the functions for a process
     # whose CUDA runtime already counted its devices (it reads the variable only once).
-    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
-    torch.cuda.device_count = lambda: 0  # type: ignore[assignment]
+    torch.cuda.is_available = lambda: False
+    torch.cuda.device_count = lambda: 0
     os.environ.update({
         "CUDA_VISIBLE_DEVICES": "",
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % local_world),
@@ -48,15 +48,15 @@ def fake_distributed(rank: int, world: int, local_world: int) -> Callable[[], No
             undo_collectives()
             os.environ.clear()
             os.environ.update(saved_env)
-            dist.init_process_group = distributed_c10d.init_process_group = saved[0]  # type: ignore[assignment]
-            torch.cuda.is_available, torch.cuda.device_count = saved[2], saved[3]  # type: ignore[assignment]
+            dist.init_process_group = distributed_c10d.init_process_group = saved[0]
+            torch.cuda.is_available, torch.cuda.device_count = saved[2], saved[3]
             if saved[1] is not None:
                 PipelineStage._warmup_backward_result = saved[1]  # type: ignore[method-assign]
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    dist.init_process_group = distributed_c10d.init_process_group = init_process_group  # type: ignore[assignment]
+    dist.init_process_group = distributed_c10d.init_process_group = init_process_group
     undo_collectives = symmetric_collectives()
     try:
         _static_pipeline_stages()

@@ -37,7 +37,7 @@ class Session:
         self._names: dict[int, str] = {}
         self._order: dict[int, int] = {}
         self._in_optimizer = 0
-        self._first_optimizer: Any = None
+        self._first_optimizer: torch.optim.Optimizer | None = None
         self.done_steps = 0
         self._ops_at_end = 0  # the tracker's op count when the last step ended
         self.per_step: list[dict[str, Any]] = []
@@ -73,7 +73,7 @@ class Session:
         return where
 
     # -------------------------------------------------------------------- hooks
-    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: torch.nn.Module, args: tuple) -> None:
         if not self._stack and id(module) not in self._names:
             for i, (name, m) in enumerate(module.named_modules()):
                 self._names.setdefault(id(m), name or "<root>")
@@ -85,7 +85,7 @@ class Session:
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Steps are counted by the first optimizer that steps: step ``k`` runs up to its
         ``k``-th step (step 1: setup, forward and backward; step 2: the first optimizer
         step, which makes the optimizer's state, forward and backward)."""
@@ -97,7 +97,7 @@ class Session:
             self._end_step()
         self._in_optimizer += 1
 
-    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self._in_optimizer -= 1
 
     def _end_step(self) -> None:
@@ -142,7 +142,7 @@ class Session:
                 self.tracker.note_module(m)  # its shards count as parameters from now on
             return out
 
-        fsdp2.fully_shard = fully_shard  # type: ignore[assignment]
+        fsdp2.fully_shard = fully_shard
         argv, path, exit_ = sys.argv, list(sys.path), os._exit
         sys.argv = [script, *args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as ``python script.py`` does
@@ -166,8 +166,8 @@ class Session:
         except _Done:
             pass
         finally:
-            sys.argv, sys.path, os._exit = argv, path, exit_  # type: ignore[assignment]
-            fsdp2.fully_shard = shard  # type: ignore[assignment]
+            sys.argv, sys.path, os._exit = argv, path, exit_
+            fsdp2.fully_shard = shard
             for h in handles:
                 h.remove()
 

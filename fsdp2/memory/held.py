@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .._module import groups_under
-from ..bucket.bucket import comm_pools
+from ..bucket.bucket import FlatBucket, comm_pools
 from ..runtime.group import TrainingState
 from .tracker import claim_group, storage_data_ptr, storage_key
 
@@ -99,5 +99,5 @@ def release_memory(model: nn.Module) -> None:
         pool.drop_idle()
 
 
-def _reduce_pending(b: Any) -> bool:
+def _reduce_pending(b: FlatBucket) -> bool:
     return b.reduce.is_pending() or any(p.unsharded is not None and p.unsharded.grad is not None for p in b.params)

@@ -71,13 +71,13 @@ def symmetric_collectives() -> Callable[[], None]:
         return _Symmetric.apply(input, output_split_sizes, input_split_sizes, group)
 
     _gather.all_gather_flat, _reduce.reduce_scatter_flat = all_gather_flat, reduce_scatter_flat
-    dist.all_to_all_single = distributed_c10d.all_to_all_single = all_to_all_single  # type: ignore[assignment]
+    dist.all_to_all_single = distributed_c10d.all_to_all_single = all_to_all_single
     funcol.all_to_all_single = funcol.all_to_all_single_autograd = functional_all_to_all  # type: ignore[assignment]
 
     def undo() -> None:
         _gather.all_gather_flat, _reduce.reduce_scatter_flat = saved[0], saved[1]
-        dist.all_to_all_single = distributed_c10d.all_to_all_single = saved[2]  # type: ignore[assignment]
-        funcol.all_to_all_single, funcol.all_to_all_single_autograd = saved[3], saved[4]  # type: ignore[assignment]
+        dist.all_to_all_single = distributed_c10d.all_to_all_single = saved[2]
+        funcol.all_to_all_single, funcol.all_to_all_single_autograd = saved[3], saved[4]
 
     return undo
 
@@ -116,7 +116,7 @@ class _Symmetric(torch.autograd.Function):
     backward sends each gradient chunk's rows back into this rank's own chunk."""
 
     @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, output_split_sizes: Any, input_split_sizes: Any, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, input: torch.Tensor, output_split_sizes: Any, input_split_sizes: Any, group: Any) -> torch.Tensor:
         n = dist.get_world_size(_group_of(group))
         rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
         output = input.new_empty(rows, *input.shape[1:])

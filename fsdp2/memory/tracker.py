@@ -136,10 +136,18 @@ class MemoryTracker(TorchDispatchMode):
         old = self.live.get(key)
         if old is None:
             if self._within_counted(storage):
-                self._slices[key] = weakref.ref(storage, lambda _, key=key: self._slices.pop(key, None))
+
+                def forget(_: object, key: int = key) -> None:
+                    self._slices.pop(key, None)
+
+                self._slices[key] = weakref.ref(storage, forget)
                 return
             self._absorb_slices_of(storage)
-            self._refs[key] = weakref.ref(storage, lambda _, key=key: self._died(key))
+
+            def died(_: object, key: int = key) -> None:
+                self._died(key)
+
+            self._refs[key] = weakref.ref(storage, died)
             self.live[key] = (nbytes, phase)
             self.now += nbytes
         else:
@@ -182,7 +190,11 @@ class MemoryTracker(TorchDispatchMode):
                 self._forget_span(key)  # resized without an op since (fsdp2's gathered buffers): stale
                 continue
             self._died(key)
-            self._slices[key] = weakref.ref(slice_, lambda _, key=key: self._slices.pop(key, None))
+
+            def forget(_: object, key: int = key) -> None:
+                self._slices.pop(key, None)
+
+            self._slices[key] = weakref.ref(slice_, forget)
 
     def _forget_span(self, key: int) -> None:
         span = self._span_of.pop(key, None)

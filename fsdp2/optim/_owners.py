@@ -207,9 +207,13 @@ class MatrixOwners:
             ex = plans[idx[0]][0]
             matrices = [plans[i][1] for i in idx]
             owners = assign_owners([m.cost for m in matrices], len(ex.ranks))
+
+            def on_owner(full: torch.Tensor, j: int, idx: list[int] = idx) -> torch.Tensor:
+                return fn(full, idx[j])
+
             pieces = exchange(
                 ex, matrices, owners, [locals_[i].contiguous() for i in idx],
-                lambda full, j, idx=idx: fn(full, idx[j]), out_dtype or dtype,
+                on_owner, out_dtype or dtype,
                 collective_device(params[idx[0]].device_mesh, home),
             )
             for i, piece in zip(idx, pieces):

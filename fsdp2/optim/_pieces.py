@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -37,7 +38,9 @@ def block_indices(
     the local indices. For even sizes that is DTensor's meaning of ``_StridedShard``;
     for uneven ones it is where fsdp2 keeps the data."""
     indices = [torch.arange(s) for s in shape]
-    ordered = [(i, pl) for i, pl in enumerate(placements) if isinstance(pl, Shard) and not isinstance(pl, _StridedShard)]
+    ordered: list[tuple[int, Shard | _StridedShard]] = [
+        (i, pl) for i, pl in enumerate(placements) if isinstance(pl, Shard) and not isinstance(pl, _StridedShard)
+    ]
     ordered += [(i, pl) for i, pl in enumerate(placements) if isinstance(pl, _StridedShard)]
     for mesh_dim, pl in ordered:
         indices[pl.dim] = chunk_indices(indices[pl.dim], mesh_shape[mesh_dim], coord[mesh_dim])
@@ -49,15 +52,14 @@ class Piece(NamedTuple):
     (``slices``) when it is one, else index tensors (``_StridedShard``)."""
 
     slices: tuple[slice, ...] | None
-    index: tuple[torch.Tensor, ...]
+    index: tuple[torch.Tensor, ...]  # type: ignore[assignment]  # shadows tuple.index, as named
     shape: tuple[int, ...]
 
     @staticmethod
     def of(index: list[torch.Tensor]) -> Piece:
         shape = tuple(i.numel() for i in index)
-        slices: tuple[slice, ...] | None = tuple(_as_slice(i) for i in index)  # type: ignore[misc]
-        if slices is not None and any(s is None for s in slices):
-            slices = None
+        found = tuple(_as_slice(i) for i in index)
+        slices = None if any(s is None for s in found) else cast("tuple[slice, ...]", found)
         return Piece(slices, tuple(index), shape)
 
     def write(self, full: torch.Tensor, flat: torch.Tensor) -> None:
@@ -87,31 +89,34 @@ def sharded_dims(placements: Sequence[Placement]) -> list[int]:
     return [i for i, pl in enumerate(placements) if isinstance(pl, (Shard, _StridedShard))]
 
 
-def sharded_group(mesh: object, placements: Sequence[Placement]) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+def sharded_group(mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
     """The process group over the ranks holding different pieces of a DTensor with these
     placements (None when this rank holds it whole), and those ranks."""
     sharded = sharded_dims(placements)
     if not sharded:
         return None, (dist.get_rank(),)
     group, members = members_in_group_order(mesh, sharded)
-    return group, tuple(int(mesh.mesh[tuple(c)]) for c in members)  # type: ignore[attr-defined]
+    return group, tuple(int(mesh.mesh[tuple(c)]) for c in members)
 
 
-def members_in_group_order(mesh: object, sharded: list[int]) -> tuple[dist.ProcessGroup, list[list[int]]]:
+def members_in_group_order(mesh: DeviceMesh, sharded: list[int]) -> tuple[dist.ProcessGroup, list[list[int]]]:
     """The group over the ranks along ``sharded`` dims and their mesh coordinates, in the
     group's own rank order (which collectives' split lists follow)."""
     members = members_along(mesh, sharded)
-    ranks = [int(mesh.mesh[tuple(c)]) for c in members]  # type: ignore[attr-defined]
+    ranks = [int(mesh.mesh[tuple(c)]) for c in members]
     group = group_over(mesh, sharded, tuple(ranks))
     order = dist.get_process_group_ranks(group) if len(ranks) > 1 else ranks
     by_rank = dict(zip(ranks, members))
     return group, [by_rank[r] for r in order]
 
 
-def members_along(mesh: object, sharded: list[int]) -> list[list[int]]:
+def members_along(mesh: DeviceMesh, sharded: list[int]) -> list[list[int]]:
     """The mesh coordinates of the ranks that differ from this one on ``sharded`` dims only."""
-    coord = list(mesh.get_coordinate())  # type: ignore[attr-defined]
-    sizes = [mesh.size(i) for i in sharded]  # type: ignore[attr-defined]
+    here = mesh.get_coordinate()
+    if here is None:
+        raise AssertionError("fsdp2 internal error: this rank is not on the mesh of its own shards")
+    coord = list(here)
+    sizes = [mesh.size(i) for i in sharded]
     members = []
     for k in range(math.prod(sizes)):
         c = list(coord)
@@ -129,13 +134,13 @@ def _unravel(k: int, sizes: list[int]) -> list[int]:
     return list(reversed(out))
 
 
-def group_over(mesh: object, sharded: list[int], ranks: tuple[int, ...]) -> dist.ProcessGroup:
+def group_over(mesh: DeviceMesh, sharded: list[int], ranks: tuple[int, ...]) -> dist.ProcessGroup:
     """The process group over ``ranks``: the mesh's own for one dim, else made once per
     rank (by the member ranks only)."""
     if len(sharded) == 1:
-        return mesh.get_group(sharded[0])  # type: ignore[attr-defined]
+        return mesh.get_group(sharded[0])
     if len(sharded) == 0:
-        return mesh.get_group(0)  # type: ignore[attr-defined]  # one member: never communicates
-    backend = dist.get_backend(mesh.get_group(sharded[0]))  # type: ignore[attr-defined]
+        return mesh.get_group(0)  # one member: never communicates
+    backend = dist.get_backend(mesh.get_group(sharded[0]))
     return this_rank().subgroup("owners", ranks, backend)
 

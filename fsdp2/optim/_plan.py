@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -179,24 +179,28 @@ def _flat_swap(entries: list[_Swapped]) -> _FlatSwapped | None:
             or (local.numel() > 0 and local.data_ptr() != base + s.fp.offset * size)
         ):
             return None
-    grad = _flat_view([s.grad for s in entries], entries, numel, flat_param.dtype)
+    grad = _flat_view(cast("list[torch.Tensor]", [s.grad for s in entries]), entries, numel, flat_param.dtype)
     if grad is None:
         return None
     first = entries[0].state or {}
     keys = list(first)
     for s in entries[1:] if not stateless else ():
-        if len(s.state) != len(keys) or any(k not in s.state for k in keys):
+        st = cast(dict, s.state)  # not stateless: every entry has state (checked above)
+        if len(st) != len(keys) or any(k not in st for k in keys):
             return None
     local_state: dict[Any, Any] = {}
     flats: dict[Any, torch.Tensor] = {}
     to_rehome = []
     for k in keys:
         if k in entries[0].locals:
-            values = [s.locals.get(k) for s in entries]
-            if any(v is None for v in values) or any(v.dtype != values[0].dtype for v in values):
+            found = [s.locals.get(k) for s in entries]
+            if any(v is None for v in found):
+                return None
+            values = cast("list[torch.Tensor]", found)
+            if any(v.dtype != values[0].dtype for v in values):
                 return None
             view = _flat_view(values, entries, numel, values[0].dtype)
-            del values  # no reference of ours may outlive a move into a flat buffer
+            del values, found  # no reference of ours may outlive a move into a flat buffer
             if view is None:
                 to_rehome.append(k)
             else:
@@ -208,10 +212,11 @@ def _flat_swap(entries: list[_Swapped]) -> _FlatSwapped | None:
                     return None  # comparing device scalars would synchronize
                 value = v0.item()
                 if any(
-                    not isinstance(s.state[k], torch.Tensor) or s.state[k].item() != value for s in entries
+                    not isinstance(cast(dict, s.state)[k], torch.Tensor) or cast(dict, s.state)[k].item() != value
+                    for s in entries
                 ):
                     return None
-            elif any(s.state[k] != v0 for s in entries):
+            elif any(cast(dict, s.state)[k] != v0 for s in entries):
                 return None
             local_state[k] = v0
     for k in to_rehome:
@@ -245,7 +250,7 @@ def _rehome(entries: list[_Swapped], key: Any, numel: int) -> torch.Tensor:
         local = s.locals[key]
         view = flat[s.fp.offset : s.fp.offset + local.numel()].view(local.shape)
         view.copy_(local)
-        s.state[key] = _like_param(view, s.param)  # shares the parameter's spec: cheaper checks later
+        cast(dict, s.state)[key] = _like_param(view, s.param)  # shares the parameter's spec: cheaper checks later
         s.locals[key] = view
         if s.local_state is not None:
             s.local_state[key] = view  # drop the last reference to the old tensor now

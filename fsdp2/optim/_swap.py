@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..params.dtensor import make_dtensor, spec_where_it_is
+from ..params.param import FSDPParam
 
 
 class _Swapped:
@@ -18,8 +19,8 @@ class _Swapped:
 
     def __init__(
         self,
-        param: torch.Tensor,
-        fp: Any,
+        param: DTensor,
+        fp: FSDPParam,
         alias: torch.Tensor,
         grad: torch.Tensor | None,
         state: dict | None,
@@ -51,7 +52,7 @@ class _FlatSwapped:
         self.alias = alias
         self.bucket = entries[0].fp.bucket
         self.snapshot: tuple[list, list] = ([], [])  # taken after the step (``_snapshot``)
-        self.grad = grad
+        self.grad: torch.Tensor | None = grad  # None while a kept plan waits (``_remember_plans``)
         self.params = [s.param for s in entries]
         self.fps = [s.fp for s in entries]
         self.states: list[dict | None] = [s.state for s in entries]

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..comm.collectives import traced
 from ..comm.mesh import collective_device
 from ._pieces import sharded_group
+
+# A gradient's layout, as ``_group_of`` caches it: (id of its mesh, its placements).
+_LayoutKey = tuple[int, tuple[Placement, ...]]
 
 
 def clip_grad_norm_(
@@ -35,7 +39,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
     *,
-    pp_mesh: object | None = None,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of ``parameters`` to a total ``norm_type``-norm of
     ``max_norm``, and return that total norm (before clipping) as a plain tensor, the
@@ -52,7 +56,7 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     # Phase 1: local contributions, by the ranks that hold different pieces.
     by_group: dict[tuple[int, ...], tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
-    groups: dict[Any, tuple[dist.ProcessGroup | None, tuple[int, ...]]] = {}  # see _group_of
+    groups: dict[_LayoutKey, tuple[dist.ProcessGroup | None, tuple[int, ...]]] = {}  # see _group_of
     for g in grads:
         if isinstance(g, DTensor):
             spec = g._spec
@@ -78,7 +82,7 @@ def clip_grad_norm_(
                 part = (part > 0).sum().to(dtype)  # tensors with a non-zero element
             total = torch.maximum(total, part) if norm_type == math.inf else total + part
         if pp_mesh is not None:
-            dist.all_reduce(total, op=_op(norm_type), group=pp_mesh.get_group())  # type: ignore[attr-defined]
+            dist.all_reduce(total, op=_op(norm_type), group=pp_mesh.get_group())
     if norm_type not in (0.0, 1.0, math.inf):
         total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -108,7 +112,7 @@ def _comm_device(grads: list[torch.Tensor], locals_: list[torch.Tensor]) -> torc
     return here
 
 
-def _group_of(spec: Any, seen: dict[Any, tuple[dist.ProcessGroup | None, tuple[int, ...]]]) -> tuple:
+def _group_of(spec: DTensorSpec, seen: dict[_LayoutKey, tuple[dist.ProcessGroup | None, tuple[int, ...]]]) -> tuple:
     """The group of ranks holding the other pieces of a gradient laid out as ``spec``
     (None and no ranks when it is whole here), cached in ``seen`` by layout: most
     gradients share one, and comparing meshes costs more than the rest."""
@@ -141,11 +145,11 @@ def _combine_local(ts: list[torch.Tensor], p: float, dtype: torch.dtype, device:
     ts = [t for t in ts if t.numel()]  # a trailing rank's empty shard adds nothing
     if not ts:
         return torch.zeros((), dtype=dtype, device=device)
-    norms = torch._foreach_norm(ts, p)
+    each = torch._foreach_norm(ts, p)
     try:
-        norms = torch.stack(norms).to(device=device, dtype=dtype)  # one dtype and device: the usual case
+        norms = torch.stack(each).to(device=device, dtype=dtype)  # one dtype and device: the usual case
     except RuntimeError:
-        norms = torch.stack([n.to(device=device, dtype=dtype) for n in norms])
+        norms = torch.stack([n.to(device=device, dtype=dtype) for n in each])
     if p == math.inf:
         return norms.max()
     if p in (0.0, 1.0):
@@ -153,5 +157,5 @@ def _combine_local(ts: list[torch.Tensor], p: float, dtype: torch.dtype, device:
     return norms.pow(p).sum()
 
 
-def _op(p: float) -> dist.ReduceOp:
+def _op(p: float) -> dist.ReduceOp.RedOpType:
     return dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM

@@ -75,7 +75,7 @@ class Muon(torch.optim.Muon):
         self._warned = False
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -93,7 +93,7 @@ class Muon(torch.optim.Muon):
                 raise RuntimeError("Muon does not support complex parameters")
             if p.grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
-        owned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, local update)
+        owned: list[tuple[DTensor, torch.Tensor]] = []  # (parameter, local update)
         for p in with_grad:
             state = self.state[p]
             if "momentum_buffer" not in state:

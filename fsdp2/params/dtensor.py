@@ -100,7 +100,7 @@ def spmd_placements(
     out = list(placements)
     for i in spmd.shard:
         split = math.prod(
-            mesh.size(j) for j in range(i + 1, mesh.ndim) if isinstance(out[j], Shard) and out[j].dim == dim
+            mesh.size(j) for j in range(i + 1, mesh.ndim) if isinstance(pl := out[j], Shard) and pl.dim == dim
         )
         out[i] = _StridedShard(dim, split_factor=split) if split > 1 and isinstance(fsdp, Shard) else fsdp
     if len(spmd.shard) <= 1:  # one shard dim, or none (replicas only)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -122,6 +122,7 @@ class FSDPParam:
         # Mesh dims of the unsharded DTensor whose gradient placements are left to the
         # reduce (SPMD meshes: the data-parallel dims); the rest are redistributed to tp's.
         self.dp_dims: frozenset[int] = frozenset()
+        self.placements: tuple[Placement, ...]
         if info.spmd is not None:
             if self.tp is None:
                 raise AssertionError("fsdp2 internal error: SPMD parameters are DTensors")
@@ -129,7 +130,7 @@ class FSDPParam:
             self.dp_dims = info.spmd.dp
         elif self.tp is None:
             self.mesh = info.mesh
-            self.placements: tuple[Placement, ...] = info.dp_placements(fsdp)
+            self.placements = info.dp_placements(fsdp)
         else:
             tp_mesh, tp_placements = self.tp
             self.mesh = concatenate_meshes(info.mesh, tp_mesh, fqn)
@@ -146,27 +147,27 @@ class FSDPParam:
         self.bucket_index = -1  # index in the bucket's parameter list
         self.bucket: Any = None  # the FlatBucket holding this parameter
         self.group: Any = lambda: None  # weak reference to the ParamGroup holding it
-        self.sharded: nn.Parameter | None = None
+        self.sharded: DTensor | None = None  # an ``nn.Parameter`` (``make_parameter``)
         self.unsharded: nn.Parameter | None = None  # the unsharded leaf (set by the bucket)
-        self._grad_acc: Any = None  # its AccumulateGrad node, held (``_settle_holders``)
+        self._grad_acc: torch.autograd.graph.Node | None = None  # its AccumulateGrad node, held (``_settle_holders``)
         self._quiet_holders = (-1, 0)
         self._alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (local shard, its alias)
         self._tp_pending: DTensor | None = None  # TP gradient kept Partial while accumulating
 
-    def gained_extension(self) -> tuple[bool, Any]:
+    def gained_extension(self) -> tuple[bool, SubclassWrapper | KeepObject | None]:
         """At lazy init: whether its local tensor gained all-gather hooks since
         ``fully_shard``, and the wrapper to gather it through (``late_wrapper``). Only
         checks (raising on what cannot be gathered): ``take_extension`` moves it, once
         every parameter of the group passed."""
         if self.extension or self.sharded is None:
             return False, None
-        local = self.sharded._local_tensor  # type: ignore[attr-defined]
+        local = self.sharded._local_tensor
         if not has_extension(local):
             return False, None
         _check_extension_param(self.fqn, self.sharded if self.tp is not None else local, self.layout.dim)
         return True, late_wrapper(self.fqn, local)
 
-    def take_extension(self, wrapper: Any) -> None:
+    def take_extension(self, wrapper: SubclassWrapper | KeepObject | None) -> None:
         """From now on it gathers through its hooks; the caller re-buckets it."""
         self.extension, self.wrapper = True, wrapper
         self.dispatched = wrapper is None
@@ -194,7 +195,7 @@ class FSDPParam:
             shard.copy_(rows)
         return shard if shard.device == device else shard.to(device)
 
-    def new_sharded(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    def new_sharded(self, local: torch.Tensor, requires_grad: bool) -> DTensor:
         """The sharded ``nn.Parameter`` over ``local`` (a view of the bucket's flat buffer),
         as the subclass the parameter was when it has an all-gather extension."""
         if self.wrapper is not None:
@@ -230,7 +231,7 @@ class FSDPParam:
         """Drop the optimizer's alias of the local shard (its storage is being replaced)."""
         self._alias = None
 
-    def set_sharded(self, param: nn.Parameter) -> None:
+    def set_sharded(self, param: DTensor) -> None:
         """``param`` is this parameter's sharded ``nn.Parameter`` from now on."""
         self.sharded = param
         _SHARDED_OWNER[id(param)] = self
@@ -329,11 +330,11 @@ class FSDPParam:
         target = tuple(g if i in self.dp_dims else t for i, (g, t) in enumerate(zip(grad.placements, self.tp[1])))
         if tuple(grad.placements) != target:
             if defer_tp_in is not None:
-                grad = grad.to(defer_tp_in)
-                self._tp_pending = grad if self._tp_pending is None else self._tp_pending + grad
+                grad = cast(DTensor, grad.to(defer_tp_in))
+                self._tp_pending = grad if self._tp_pending is None else cast(DTensor, self._tp_pending + grad)
                 return None
             if self._tp_pending is not None:
-                grad, self._tp_pending = self._tp_pending + grad, None
+                grad, self._tp_pending = cast(DTensor, self._tp_pending + grad), None
             grad = grad.redistribute(self.tp[0], target)
         return grad.to_local()
 

@@ -59,7 +59,7 @@ class SubclassWrapper:
         return getattr(t, self.name) if isinstance(t, self.cls) else t
 
     def wrap(self, plain: torch.Tensor) -> torch.Tensor:
-        return self.cls.__tensor_unflatten__({self.name: plain}, self.ctx, plain.shape, plain.stride())
+        return self.cls.__tensor_unflatten__({self.name: plain}, self.ctx, plain.shape, plain.stride())  # type: ignore[attr-defined]
 
 
 class KeepObject:

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from ..api import MixedPrecisionPolicy
 from .dryrun import DryRunError
 from .fit import BudgetError, fit
 from .groups import Group, block_classes, find_blocks, find_experts, find_groups, local, scale_to_dtype
@@ -29,10 +31,10 @@ __all__ = ["BudgetError", "DryRunError", "Estimate", "Group", "Plan", "experts_o
 def plan(
     model: nn.Module,
     *,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     world_size: int | tuple[int, int] | None = None,
-    mp_policy: Any = None,
-    expert_mesh: Any = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    expert_mesh: DeviceMesh | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     blocks: Iterable[type | str] | None = None,
     memory_budget: int | str | None = None,
@@ -116,7 +118,7 @@ def _world_shape(world_size: int | tuple[int, ...] | None) -> tuple[int, ...] | 
     return shape
 
 
-def _place_experts(model: nn.Module, g: Group, expert_mesh: Any, shard_size: int) -> None:
+def _place_experts(model: nn.Module, g: Group, expert_mesh: DeviceMesh | None, shard_size: int) -> None:
     """A block's routed experts: on the expert mesh when one is given; else on the call's
     mesh, sharded on dim 1 where more ranks shard them than there are experts
     (torchtitan's choice, no padding), left to the default (dim 0) otherwise."""
@@ -134,7 +136,7 @@ def _place_experts(model: nn.Module, g: Group, expert_mesh: Any, shard_size: int
         g.why += f"; experts ({short}) sharded on dim 1: {rows} experts, {shard_size} ranks"
 
 
-def _check_estimable(model: nn.Module, expert_mesh: Any) -> None:
+def _check_estimable(model: nn.Module, expert_mesh: DeviceMesh | None) -> None:
     """The dry run copies plain parameters to the meta device over one meta mesh."""
     from torch.distributed.tensor import DTensor
 
@@ -147,7 +149,7 @@ def _check_estimable(model: nn.Module, expert_mesh: Any) -> None:
         )
 
 
-def _job_shape(mesh: Any, shape: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+def _job_shape(mesh: DeviceMesh | None, shape: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
     """The job's mesh shape and dim names: ``mesh``'s, ``world_size=``'s, or the default
     process group's size (1 without one)."""
     if mesh is not None:

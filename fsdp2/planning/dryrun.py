@@ -170,7 +170,7 @@ def fused_attention() -> Iterator[None]:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
-    F.scaled_dot_product_attention = sdpa
+    F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]  # its own parameter names
     try:
         yield
     finally:

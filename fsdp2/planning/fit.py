@@ -146,6 +146,8 @@ def _with_budget(e: Estimate, budget: int) -> Estimate:
 
 
 def _over(e: Estimate, label: str) -> str:
+    if e.budget is None:
+        raise AssertionError("fsdp2 internal error: an estimate over no budget")
     top = max(CATEGORIES, key=lambda c: e.split.get(c, 0))
     return (
         f"fsdp2.plan: no plan fits the budget of {e.budget / _MIB:,.1f} MiB per rank: the most conservative one "

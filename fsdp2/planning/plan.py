@@ -16,7 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from ..api import MixedPrecisionPolicy
 from .groups import AC_CHOICES, Group
 from .render import experts_on, render_calls, render_table
 
@@ -69,7 +71,8 @@ class Plan:
     """``fsdp2.plan``'s result. ``groups`` are in call order, the root last; change their
     ``reshard_after_forward``, ``ac`` and ``offload`` (or use ``edit``) before ``apply``."""
 
-    def __init__(self, groups: list[Group], *, mesh: Any, mp_policy: Any, expert_mesh: Any,
+    def __init__(self, groups: list[Group], *, mesh: DeviceMesh | None, mp_policy: MixedPrecisionPolicy | None,
+                 expert_mesh: DeviceMesh | None,
                  ignored_fqns: list[str], fingerprint: dict[str, tuple[int, ...]],
                  blocks_from: str) -> None:
         self.groups = groups
@@ -156,7 +159,9 @@ class Plan:
         ``fully_shard`` defaults to fsdp2's; torch's may be passed for comparison."""
         self._check_model(model)
         if fully_shard is None:
-            from ..fully_shard import fully_shard
+            from ..fully_shard import fully_shard as ours
+
+            fully_shard = ours
         from torch.distributed._composable import checkpoint
 
         for fn, modules, kwargs in self.calls():

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from .groups import ROOT, local
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..api import ShardPlacementResult
 
 _MIB = 2**20
 
@@ -17,7 +24,9 @@ def mib(n: int) -> str:
     return f"{n / _MIB:,.1f}" if n >= 10 * _MIB or n == 0 else f"{n / _MIB:.3f}"
 
 
-def experts_on(experts: nn.Module, mesh: Any) -> Any:
+def experts_on(
+    experts: nn.Module, mesh: DeviceMesh | None
+) -> Callable[[torch.Tensor], ShardPlacementResult | None]:
     """A ``shard_placement_fn`` putting ``experts``' parameters on ``mesh`` (``None``: the
     default process group's ranks) and every other parameter of the call on the call's
     mesh. As torchtitan does, experts are sharded on dim 1 when more ranks shard them
@@ -28,7 +37,7 @@ def experts_on(experts: nn.Module, mesh: Any) -> Any:
     from ..api import ShardPlacementResult
 
     size = mesh.size(mesh.ndim - 1) if mesh is not None else dist.get_world_size()
-    placements = {}
+    placements: dict[torch.Tensor, ShardPlacementResult] = {}
     for p in experts.parameters():
         rows = local(p).shape[0] if p.ndim > 1 else size
         placements[p] = ShardPlacementResult(Shard(1) if size > rows else Shard(0), mesh)
@@ -129,7 +138,10 @@ def _run(units: list, start: int) -> int:
 
 def _loop(units: list, model: str) -> list[str]:
     first = units[0][1][0]
-    prefix, index = _INDEXED.match(first).group(1) or "", int(_INDEXED.match(first).group(2))
+    indexed = _INDEXED.match(first)
+    if indexed is None:
+        raise AssertionError(f"fsdp2 internal error: {first} is not an indexed block")
+    prefix, index = indexed.group(1) or "", int(indexed.group(2))
     head = f"for i in range({index}, {index + len(units)}):"
     body = _unit(units[0], model, "    ", target=f'{model}.get_submodule(f"{prefix}{{i}}")', name="block")
     return [head, *body]

@@ -4,6 +4,10 @@ parameters reassigned since or given all-gather hooks since."""
 
 from __future__ import annotations
 
+from typing import cast
+
+import torch
+
 from ..bucket.bucket import comm_pools
 from ..optim.local_step import forget_plans_of
 from .group import ParamGroup
@@ -15,7 +19,7 @@ def rebind(group: ParamGroup) -> None:
     group has been converted (``to_empty`` reaches the modules of a list one by one)."""
     group.reshard()
     group.checks.forget()
-    current = [[p.owners[0][0]._parameters[p.owners[0][1]] for p in b.params] for b in group.buckets]
+    current = [[cast(torch.Tensor, p.owners[0][0]._parameters[p.owners[0][1]]) for p in b.params] for b in group.buckets]
     if len({t.device for ts in current for t in ts}) > 1 or any(len({t.dtype for t in ts}) > 1 for ts in current):
         return  # another module's _apply will finish the conversion
     before = {b.device for b in group.buckets}

@@ -145,7 +145,7 @@ class _Settle(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(t: AsyncCollectiveTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(t: AsyncCollectiveTensor) -> torch.Tensor:
         return t.trigger_wait().detach()
 
     @staticmethod
@@ -184,7 +184,7 @@ class _PostBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(group: CountedGroup, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+    def forward(group: CountedGroup, *inputs: torch.Tensor) -> tuple:
         return inputs
 
     @staticmethod

@@ -5,11 +5,12 @@ support, materialization, reassignment)."""
 from __future__ import annotations
 
 import operator
+from typing import cast
 
 import torch
 
 from .._compat import TORCH
-from ..api import MixedPrecisionPolicy, OffloadPolicy
+from ..api import BlockQuantization, MixedPrecisionPolicy, OffloadPolicy
 from ..bucket.bucket import FlatBucket
 from ..bucket.gather import RidingGather
 from ..bucket.offload import HostOffload
@@ -45,7 +46,10 @@ def build_buckets(
         floating = dtype.is_floating_point
         offload = HostOffload.for_policy(offload_policy, compute_device)  # one per bucket: its own copies
         mesh = params[idx[0]].comm
-        quant = QuantizedComm(mp_policy.quantize_gather, mp_policy.quantize_reduce) if floating else NO_QUANTIZATION
+        # The policy's ``__post_init__`` made its quantize_* fields ``BlockQuantization | None``.
+        gather_q, reduce_q = cast("tuple[BlockQuantization | None, BlockQuantization | None]",
+                                  (mp_policy.quantize_gather, mp_policy.quantize_reduce))
+        quant = QuantizedComm(gather_q, reduce_q) if floating else NO_QUANTIZATION
         bucket = FlatBucket(
             [params[i] for i in idx], [originals[i] for i in idx], mesh, device, compute, reduce, offload, quant, user
         )
@@ -137,7 +141,7 @@ def rebucket(
         if param is None:
             raise AssertionError("fsdp2 internal error: re-bucketing an unsharded parameter")
         fresh, grad = p.sharded, param.grad
-        torch.utils.swap_tensors(param, fresh)  # type: ignore[arg-type]
+        torch.utils.swap_tensors(param, fresh)
         param.grad = grad
         p.set_sharded(param)
         p.register_sharded()

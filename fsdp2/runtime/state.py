@@ -5,7 +5,7 @@ context: ``root.py``)."""
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -53,7 +53,7 @@ class FSDPState:
         checkpoint's recompute, which stops early by raising once it has recomputed what
         backward needs: backward goes on reading the parameters."""
         group = self.group
-        ctx = group.ctx
+        ctx = cast("RootContext | None", group.ctx)  # the root's, made by ``RootContext.lazy_init``
         if ctx is not None and (ctx.in_backward or ctx.reduction is not None):
             return  # in a recompute; or the forward was refused before it changed anything
         if group.shard_state in (ShardState.UNSHARDED, ShardState.PARTIAL):
@@ -70,7 +70,7 @@ class FSDPState:
 
     def _begin_forward(self) -> RootContext:
         """Lazy init at the first forward; a root forward starts the step."""
-        ctx = self.group.ctx
+        ctx = cast("RootContext | None", self.group.ctx)
         if ctx is None:
             ctx = RootContext.lazy_init(self.group, self.module)
         if ctx.reduction is not None:
@@ -92,7 +92,7 @@ class FSDPState:
         except BaseException:
             self.on_forward_exception()
             raise
-        ctx = self.group.ctx
+        ctx = cast("RootContext | None", self.group.ctx)
         if ctx is None:
             raise AssertionError("fsdp2 internal error: no step context after pre_forward")
         ctx.open_methods += 1
@@ -106,7 +106,7 @@ class FSDPState:
         return self.post_forward(output)
 
     def post_forward(self, output: Any) -> Any:
-        ctx = self.group.ctx
+        ctx = cast("RootContext | None", self.group.ctx)
         if ctx is None:
             raise AssertionError("fsdp2 internal error: expected ctx is not None")
         if ctx.in_backward:

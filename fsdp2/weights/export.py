@@ -4,7 +4,7 @@ per bucket (``gather.py``), for an inference engine or a checkpoint writer."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -56,11 +56,11 @@ def _slots(model: nn.Module) -> tuple[list[Any], dict[int, list[tuple[str, FSDPP
     checkpoint wrappers' prefixes and all): a group (at its first parameter) or
     ``(name, tensor)``; and each group's ``(name, FSDPParam)`` pairs, a tied parameter once."""
     owners: dict[int, FSDPParam] = {}
-    for group in groups_under(model):
-        for fp in group.params:
-            for t in (fp.sharded, fp.unsharded, getattr(fp.sharded, "_local_tensor", None)):
+    for g in groups_under(model):
+        for owned in g.params:
+            for t in (owned.sharded, owned.unsharded, getattr(owned.sharded, "_local_tensor", None)):
                 if t is not None:
-                    owners[id(t)] = fp
+                    owners[id(t)] = owned
     slots: list[Any] = []
     named: dict[int, list[tuple[str, FSDPParam]]] = {}
     seen: set[int] = set()
@@ -70,13 +70,13 @@ def _slots(model: nn.Module) -> tuple[list[Any], dict[int, list[tuple[str, FSDPP
             continue  # tied: once, under its first name
         seen.add(id(fp if fp is not None else t))
         group = fp.group() if fp is not None else None
-        if group is None:
+        if group is None or fp is None:  # (a group only through its parameter)
             slots.append((name, t))
             continue
         if id(group) not in named:
             named[id(group)] = []
             slots.append(group)
-        named[id(group)].append((name, fp))  # type: ignore[arg-type]
+        named[id(group)].append((name, fp))
     return slots, named
 
 
@@ -105,11 +105,11 @@ def _export(model: nn.Module, dtype: torch.dtype | None, silent: bool) -> Iterat
             finish_group(current, dtype)
         for name, fp in named[id(slot)]:
             if fp.dispatched:  # a subclass sharded by its own ops: DTensor's gather, on every rank
-                value = _plain(fp.sharded, dtype)
+                value = _plain(cast(DTensor, fp.sharded), dtype)  # sharded since fully_shard
             elif silent:
                 continue  # nothing to cut out on a rank that yields nothing
             else:
-                value = current.take(fp, dtype)
+                value = cast(torch.Tensor, current.take(fp, dtype))  # gathered: not dispatched
             if not silent:
                 yield name, value
             del value

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..bucket.bucket import FlatBucket
 from ..comm.collectives import Pending, all_gather_flat, wait_pending
@@ -151,35 +151,45 @@ def _gather_model_parallel(group: GroupOut, params: list[FSDPParam]) -> None:
     dims, the last first, batching the parameters that share a dim's process group."""
     plain = []
     for p in params:  # each on a model-parallel mesh (``p.tp``)
-        mesh, placements = p.tp  # type: ignore[misc]
+        mesh, placements = _tp(p)
         if all(isinstance(pl, Replicate) or type(pl) is Shard for pl in placements):
             plain.append(p)
         else:  # other placements (strided shards): DTensor's own redistribution
             local = DTensor.from_local(group.values[id(p)], mesh, placements, run_check=False,
                                        shape=p.shape, stride=p.stride)
             group.values[id(p)] = local.full_tensor()
-    depth = max((p.tp[0].ndim for p in plain), default=0)
+    depth = max((_tp(p)[0].ndim for p in plain), default=0)
     for back in range(1, depth + 1):  # mesh dims from the last one
-        batches: dict[Any, list[tuple[FSDPParam, int, int]]] = {}
+        batches: dict[int, list[tuple[FSDPParam, int, int]]] = {}
         for p in plain:
-            mesh, placements = p.tp
+            mesh, placements = _tp(p)
             i = mesh.ndim - back
-            if i < 0 or not isinstance(placements[i], Shard):
+            if i < 0:
                 continue
-            d = placements[i].dim
+            placement = placements[i]
+            if not isinstance(placement, Shard):
+                continue
+            d = placement.dim
             size = _size_before(p, i, d)
             pg = mesh.get_group(i)
             batches.setdefault(id(pg), []).append((p, d, size))
         for batch in batches.values():
-            mesh = batch[0][0].tp[0]
+            mesh = _tp(batch[0][0])[0]
             i = mesh.ndim - back
             _gather_dim(group.values, batch, mesh.get_group(i), mesh.size(i))
+
+
+def _tp(p: FSDPParam) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The model-parallel mesh and placements of ``p``, one of those that have them."""
+    if p.tp is None:
+        raise AssertionError(f"fsdp2 internal error: {p.fqn} is not on a model-parallel mesh")
+    return p.tp
 
 
 def _size_before(p: FSDPParam, i: int, d: int) -> int:
     """Length along ``d`` of ``p``'s piece before mesh dim ``i`` split it (the mesh dims
     before it applied with this rank's coordinates, ``torch.chunk``'s rule, as DTensor)."""
-    mesh, placements = p.tp  # type: ignore[misc]
+    mesh, placements = _tp(p)
     n = p.shape[d]
     coords = mesh.get_coordinate()
     if coords is None:

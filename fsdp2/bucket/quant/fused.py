@@ -64,7 +64,9 @@ class BlockTable(NamedTuple):
 
     @classmethod
     def of(cls, spec: BlockQuantization, rows: RowLayout, device: torch.device) -> BlockTable:
-        block_seg, offsets, first = [], [], []
+        block_seg: list[int] = []
+        offsets: list[int] = []
+        first: list[int] = []
         offset = 0
         for i, n in enumerate(rows.sizes):
             offsets.append(offset)
