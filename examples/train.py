@@ -14,9 +14,11 @@ CPU + gloo by default; GPUs + NCCL when CUDA is available (one GPU per rank).
 Each block is its own fsdp2 group, plus the root (embeddings, final norm, output).
 ``--impl torch`` runs the same script on torch's fully_shard, for comparison.
 
-``--compile`` compiles each block (inductor) before ``fully_shard``, after its
-activation checkpointing wrapper (torchtitan's order); with ``--tp`` the block inside the
-wrapper, and with a zero-bubble schedule without donated buffers (torch 2.13 needs both).
+``--compile`` compiles each block (inductor; ``--compile aot_eager``: graph capture and
+AOTAutograd with eager kernels, torchtitan's ``compile.backend``) before ``fully_shard``,
+after its activation checkpointing wrapper (torchtitan's order); with ``--tp`` the block
+inside the wrapper, and with a zero-bubble schedule without donated buffers (torch 2.13
+needs both).
 
 ``--ac full`` wraps each block in ``checkpoint_wrapper`` before ``fully_shard`` (as
 torchtitan does), ``--ac selective`` also saves the matmuls' outputs and recomputes the
@@ -148,7 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "'800MiB') by dry runs before the process group starts")
     p.add_argument("--impl", choices=["fsdp2", "torch"], default="fsdp2")
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="activation checkpointing")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block (inductor) before fully_shard")
+    p.add_argument("--compile", nargs="?", const="inductor", choices=["inductor", "aot_eager"], default=None,
+                   metavar="BACKEND", help="torch.compile each block before fully_shard, with BACKEND (default "
+                                           "inductor; aot_eager: eager kernels, no code generation)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (divides the world size)")
     p.add_argument("--pp-schedule", choices=["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"], default="1F1B")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (divide --batch-size)")
@@ -485,16 +489,16 @@ def checkpoint_blocks(model: Transformer, mode: str) -> None:
         model.layers[i] = checkpoint_wrapper(layer, **kwargs)
 
 
-def compile_blocks(model: Transformer, enabled: bool, tensor_parallel: bool = False) -> None:
+def compile_blocks(model: Transformer, backend: str | None, tensor_parallel: bool = False) -> None:
     """``--compile``: compile each block (after its activation checkpointing wrapper, before
     fully_shard, as torchtitan does); fsdp2's hooks run eagerly around each block's graph.
     With tensor parallel the block inside the checkpoint wrapper is compiled instead:
     compiling a checkpointed region of DTensor ops fails in AOTAutograd (torch 2.13, with
     either fully_shard), while checkpointing a compiled block works."""
-    if enabled:
+    if backend is not None:
         for layer in model.layers:
             inner = getattr(layer, "_checkpoint_wrapped_module", None)
-            (inner if tensor_parallel and inner is not None else layer).compile()
+            (inner if tensor_parallel and inner is not None else layer).compile(backend=backend)
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -780,7 +784,7 @@ def describe(args: argparse.Namespace, n_params: int, world: int, device: torch.
     """Rank 0's first line: the run's configuration."""
     return (f"{args.impl}: {n_params / 1e6:.2f}M parameters on rank 0, world size {world}, pp {args.pp}, "
             f"tp {args.tp}, hsdp {args.hsdp}, ac {'(the plan)' if args.auto_plan else args.ac}, "
-            f"compile {args.compile}, optim {args.optim}, "
+            f"compile {args.compile or 'off'}, optim {args.optim}, "
             f"clip {args.clip}, device {device.type}"
             + (f", moe {args.experts} experts top-{args.top_k} ep {args.ep}" if args.moe else "")
             + f", data {args.data}, quantize gather {args.quantize_gather} reduce {args.quantize_reduce}"
