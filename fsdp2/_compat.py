@@ -72,7 +72,7 @@ TORCH = TorchBehaviour.detect()
 def has_explicit_grad_dtype(param: torch.Tensor) -> bool:
     """``param.grad_dtype`` was set by the user (to a dtype or to ``None``)."""
     if TORCH.grad_dtype_override_known:
-        return bool(param._has_grad_dtype_override)  # type: ignore[attr-defined]
+        return bool(param._has_grad_dtype_override)  # type: ignore[attr-defined, unused-ignore]  # torch 2.13 and 2.15 differ here
     return getattr(param, "grad_dtype", param.dtype) != param.dtype
 
 

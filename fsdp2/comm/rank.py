@@ -49,7 +49,10 @@ class RankLocal:
         key = (kind, ranks, backend)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+            made = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+            if not isinstance(made, dist.ProcessGroup):  # torch 2.15 types a non-member's -100
+                raise AssertionError("fsdp2 internal error: a derived group was made by a rank outside it")
+            group = self._groups[key] = made
         return group
 
     def gather_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
