@@ -139,7 +139,8 @@ def rebucket(
     optimizers built before keep working; they share the old ones' ``UserComm``."""
     current = [p.sharded for p in params]
     # Each parameter's own sharded parameter as its "original": its rows are copied.
-    buckets = build_buckets(params, current, comm, old[0].device, mp_policy, offload_policy, old[0].user)  # type: ignore[arg-type]
+    originals = cast("list[torch.Tensor]", current)  # every one sharded (checked below)
+    buckets = build_buckets(params, originals, comm, old[0].device, mp_policy, offload_policy, old[0].user)
     for p, param in zip(params, current):
         if param is None:
             raise AssertionError("fsdp2 internal error: re-bucketing an unsharded parameter")
