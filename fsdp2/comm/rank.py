@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ class RankLocal:
 
     def __init__(self) -> None:
         self._pools: dict[torch.device, BufferPool] = {}
-        self._groups: dict[Any, dist.ProcessGroup] = {}
+        self._groups: dict[tuple[str, tuple[int, ...], str], dist.ProcessGroup] = {}  # (kind, ranks, backend)
         self.gather_queue = GatherQueue()
 
     def pool(self, device: torch.device) -> BufferPool:
