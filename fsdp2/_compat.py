@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -72,7 +72,7 @@ TORCH = TorchBehaviour.detect()
 def has_explicit_grad_dtype(param: torch.Tensor) -> bool:
     """``param.grad_dtype`` was set by the user (to a dtype or to ``None``)."""
     if TORCH.grad_dtype_override_known:
-        return bool(param._has_grad_dtype_override)  # type: ignore[attr-defined]
+        return bool(param._has_grad_dtype_override)  # type: ignore[attr-defined, unused-ignore]  # torch 2.13 and 2.15 differ here
     return getattr(param, "grad_dtype", param.dtype) != param.dtype
 
 
@@ -87,7 +87,7 @@ def stage_drives_fsdp_publicly() -> bool:
     return hasattr(_PipelineStageBase, "start_gradient_reduction")
 
 
-def spmd_types_package() -> Any:
+def spmd_types_package() -> types.ModuleType | None:
     """The optional ``spmd_types`` package (torchtitan's SPMD type annotations) if this
     process imported it, else None. A tensor can carry an ``spmd_types`` type only once
     the package is imported, so fsdp2 never imports it itself (~0.8 s) and reads it here

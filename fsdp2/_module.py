@@ -31,6 +31,7 @@ from .runtime.settings import check_reshard_after_forward
 from .runtime.state import FSDPState
 
 if TYPE_CHECKING:
+    from .bucket.user_comm import AllGatherComm, ReduceScatterComm
     # For the checker, the mixin is what it always is mixed into (``fsdp_class``): a module.
     _MixedInto = nn.Module
 else:
@@ -278,7 +279,7 @@ class FSDPModule(_MixedInto):
         for b in group.buckets:
             b.update_direct()  # one rank without a dtype change: reduce (a copy) all the same
 
-    def set_custom_all_gather(self, comm: Any) -> None:
+    def set_custom_all_gather(self, comm: AllGatherComm) -> None:
         """All-gather this module's parameters with ``comm`` (torch's ``AllGather``
         protocol: ``comm.allocate(size, dtype=..., device=...)`` for the output and
         ``comm(output_tensor, input_tensor, group, async_op=True)`` returning a work
@@ -288,7 +289,7 @@ class FSDPModule(_MixedInto):
         check_not_quantized("set_custom_all_gather", comm, self._fsdp2_state.group, "gather")
         self._fsdp2_state.group.settings.collectives.all_gather = comm
 
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
+    def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
         """Reduce-scatter this module's gradients with ``comm`` (torch's
         ``ReduceScatter`` protocol: ``comm.allocate(...)`` for the output and
         ``comm(output_tensor, input_tensor, group, op, async_op=True)``), called with
@@ -319,7 +320,7 @@ class FSDPModule(_MixedInto):
         for g in self._target_groups(recurse):
             g.settings.collectives.zero_unused = zero_unused
 
-    def set_post_optim_event(self, event: Any | None) -> None:
+    def set_post_optim_event(self, event: torch.Event | None) -> None:
         """An event recorded after the optimizer step for the all-gather streams to wait
         on. fsdp2 issues its all-gathers on the current stream, after the step in stream
         order, so there is nothing to wait for: checked and dropped."""
@@ -440,7 +441,7 @@ def groups_under(module: nn.Module) -> list[ParamGroup]:
     return groups
 
 
-def _prefetch_groups(method: str, modules: Any) -> list[ParamGroup]:
+def _prefetch_groups(method: str, modules: object) -> list[ParamGroup]:
     modules = _module_list(method, modules)
     for m in modules:
         if not isinstance(m, FSDPModule):
@@ -448,7 +449,7 @@ def _prefetch_groups(method: str, modules: Any) -> list[ParamGroup]:
                 f"{method} expects modules that fully_shard was applied to, got {type(m).__name__}; "
                 "call fully_shard on it first or leave it out"
             )
-    return [m._fsdp2_state.group for m in modules]
+    return [m._fsdp2_state.group for m in cast("list[FSDPModule]", modules)]  # each checked above
 
 
 def fsdp_class(cls: type) -> type:
@@ -470,7 +471,7 @@ def fsdp_class(cls: type) -> type:
     return new_cls
 
 
-def share_comm_ctx(modules: list[Any]) -> None:
+def share_comm_ctx(modules: Iterable[object]) -> None:
     """Share communication streams among several roots (pipeline stages). fsdp2's roots
     already share everything such a context holds (one buffer pool per device, the
     current stream), so this only checks that ``modules`` are fully_shard-ed."""
@@ -479,7 +480,7 @@ def share_comm_ctx(modules: list[Any]) -> None:
             raise ValueError(f"share_comm_ctx expects a list of FSDPModules, got {type(m).__name__}")
 
 
-def _module_list(method: str, modules: Any, ordered: bool = True) -> list[Any]:
+def _module_list(method: str, modules: object, ordered: bool = True) -> list[object]:
     """``modules`` as a list: any iterable of them (a list, a tuple, an ``nn.ModuleList``,
     a generator). Where the order matters (``ordered``: prefetch targets, gathered in
     it) a set is refused: its order differs between ranks, and so would the collectives."""
@@ -490,7 +491,7 @@ def _module_list(method: str, modules: Any, ordered: bool = True) -> list[Any]:
     return list(modules)
 
 
-def _is_real_number(value: Any) -> bool:
+def _is_real_number(value: object) -> bool:
     """A Python or NumPy real number, or a tensor of one element (not a bool)."""
     if isinstance(value, bool):
         return False

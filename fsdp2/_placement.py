@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,6 +41,11 @@ class MeshTarget:
         return f"{self.spmd.mesh if self.spmd is not None else self.mesh}"
 
 
+if TYPE_CHECKING:
+    # A mesh ``shard_placement_fn`` named, with its data-parallel dims (SPMD meshes).
+    _TargetKey = tuple[DeviceMesh, DataParallelMeshDims | None]
+
+
 class Placed(NamedTuple):
     dim: int  # the (non-negative) dim the parameter's local tensor is sharded on
     target: MeshTarget
@@ -56,7 +61,7 @@ def resolve_placements(
     """Each parameter's dim and mesh, checked: meshes this rank belongs to, on the default
     mesh's device type, spanning (with the parameter's own DTensor mesh) the data-parallel
     ranks of the default mesh, and placements the parameter can take."""
-    targets: dict[Any, MeshTarget] = {}
+    targets: dict[_TargetKey, MeshTarget] = {}
     placed, seen = [], []
     for p in params:
         result = placement_fn(p) if placement_fn is not None else None
@@ -72,8 +77,8 @@ def resolve_placements(
 
 
 def _split_result(
-    result: Any, fqn: str, default: MeshTarget, targets: dict[Any, MeshTarget]
-) -> tuple[Any, MeshTarget]:
+    result: Any, fqn: str, default: MeshTarget, targets: dict[_TargetKey, MeshTarget]
+) -> tuple[object, MeshTarget]:
     """(placement, mesh) of one ``shard_placement_fn`` result."""
     if result is None or _is_shard(result):
         return result, default
@@ -91,7 +96,7 @@ def _split_result(
     return result.placement, (default if target == default else target)
 
 
-def _target_key(result: Any, fqn: str) -> tuple[DeviceMesh, DataParallelMeshDims | None] | None:
+def _target_key(result: object, fqn: str) -> _TargetKey | None:
     """(mesh, dp_mesh_dims) a result names, or None for the call's own mesh."""
     info = getattr(result, "mesh_info", None)
     if info is None:  # fsdp2's ShardPlacementResult
@@ -110,7 +115,7 @@ def _target_key(result: Any, fqn: str) -> tuple[DeviceMesh, DataParallelMeshDims
     return _mesh_info_key(info, fqn)
 
 
-def _mesh_info_key(info: Any, fqn: str) -> tuple[DeviceMesh, DataParallelMeshDims | None]:
+def _mesh_info_key(info: object, fqn: str) -> _TargetKey:
     """torch's FSDPMeshInfo / HSDPMeshInfo, by its fields: a data-parallel mesh and which
     of its dims shard and replicate, or the full SPMD mesh and its data-parallel dims."""
     dims, full = getattr(info, "dp_mesh_dims", None), getattr(info, "spmd_mesh", None)
@@ -132,13 +137,13 @@ def _mesh_info_key(info: Any, fqn: str) -> tuple[DeviceMesh, DataParallelMeshDim
     return (mesh, None)
 
 
-def _checked_mesh(mesh: Any, fqn: str) -> DeviceMesh:
+def _checked_mesh(mesh: object, fqn: str) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"shard_placement_fn returned a mesh for {fqn} that is a {type(mesh).__name__}, not a DeviceMesh")
     return mesh
 
 
-def _make_target(key: tuple[DeviceMesh, DataParallelMeshDims | None], fqn: str, default: MeshTarget) -> MeshTarget:
+def _make_target(key: _TargetKey, fqn: str, default: MeshTarget) -> MeshTarget:
     mesh, dims = key
     spmd = None
     if dims is not None:
@@ -155,7 +160,7 @@ def _make_target(key: tuple[DeviceMesh, DataParallelMeshDims | None], fqn: str, 
     return MeshTarget(mesh, spmd)
 
 
-def _dim(p: torch.Tensor, placement: Any, fqn: str) -> int:
+def _dim(p: torch.Tensor, placement: object, fqn: str) -> int:
     local = p._local_tensor if isinstance(p, DTensor) else p
     if placement is None:
         return 0
@@ -214,7 +219,7 @@ def _check_covers_data_parallel(
             )
 
 
-def _is_shard(placement: Any) -> bool:
+def _is_shard(placement: object) -> TypeGuard[Shard]:
     """``Shard(dim)`` or a subclass of it that shards the same way (torch's checks are
     ``isinstance``); not ``_StridedShard``, whose rows interleave."""
     return isinstance(placement, Shard) and not isinstance(placement, _StridedShard)

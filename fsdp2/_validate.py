@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -18,8 +18,11 @@ from ._compat import TORCH, has_explicit_grad_dtype
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .comm.mesh import SpmdDims
 
+if TYPE_CHECKING:
+    from .runtime.group import ParamGroup
 
-def validate_modules(module: Any) -> list[nn.Module]:
+
+def validate_modules(module: object) -> list[nn.Module]:
     if isinstance(module, (set, frozenset)):
         raise TypeError(
             "fully_shard got a set of modules, whose order differs between processes (the ranks would "
@@ -47,10 +50,10 @@ def validate_modules(module: Any) -> list[nn.Module]:
                 "to each child, or pass the children as one group: fully_shard(list(container"
                 + (".values()" if isinstance(m, nn.ModuleDict) else "") + "))"
             )
-    return modules
+    return cast("list[nn.Module]", modules)  # each checked above
 
 
-def validate_mesh(mesh: Any, what: str = "the mesh passed to fully_shard") -> None:
+def validate_mesh(mesh: object, what: str = "the mesh passed to fully_shard") -> None:
     """``mesh`` is one fully_shard can shard over; ``what`` names it in the messages."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}")
@@ -71,7 +74,7 @@ def validate_mesh(mesh: Any, what: str = "the mesh passed to fully_shard") -> No
         raise ValueError(f"this rank is not part of {what} ({mesh})")
 
 
-def validate_policies(mp_policy: Any, offload_policy: Any, mesh: DeviceMesh) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+def validate_policies(mp_policy: object, offload_policy: object, mesh: DeviceMesh) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
     """The policies as fsdp2's own classes: torch's equal dataclasses are taken over field by
     field, so a script (or a library such as accelerate) that builds them from
     ``torch.distributed.fsdp`` and calls fsdp2's ``fully_shard`` runs unchanged."""
@@ -117,7 +120,7 @@ def param_dtypes(
     return out
 
 
-def _from_torch(policy: Any, ours: tuple[type, ...]) -> Any:
+def _from_torch(policy: object, ours: tuple[type, ...]) -> object:
     """fsdp2's class for a policy of torch's own class of the same name and fields."""
     kind: type = type(policy)
     if isinstance(policy, ours) or isinstance(policy, type) or not dataclasses.is_dataclass(policy):
@@ -139,13 +142,13 @@ def _from_torch(policy: Any, ours: tuple[type, ...]) -> Any:
     return policy
 
 
-def _described(obj: Any) -> str:
+def _described(obj: object) -> str:
     if isinstance(obj, type):
         return f"the class {obj.__module__}.{obj.__qualname__} (call it: {obj.__qualname__}(...))"
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def validate_ignored(ignored_params: Any) -> set[int]:
+def validate_ignored(ignored_params: object) -> set[int]:
     if ignored_params is None:
         return set()
     if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
@@ -180,7 +183,7 @@ def _check_placement_kinds(p: DTensor, fqn: str) -> None:
         )
 
 
-def validate_dp_mesh_dims(dims: Any, mesh: Any) -> DataParallelMeshDims:
+def validate_dp_mesh_dims(dims: object, mesh: object) -> DataParallelMeshDims:
     if not isinstance(dims, DataParallelMeshDims):
         if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
             raise TypeError(f"dp_mesh_dims expects a DataParallelMeshDims, got {type(dims).__name__}")
@@ -258,7 +261,7 @@ def _accelerator_type() -> str:
     return acc.type if acc is not None and module is not None and module.is_available() else "cpu"
 
 
-def check_bool(method: str, value: Any) -> bool:
+def check_bool(method: str, value: object) -> bool:
     """``value`` as a bool: a bool, or what torch's setters take for one by its truth value
     and means it unambiguously (the ints 0 and 1, a NumPy bool). ``None``, strings and
     other numbers are refused: torch would read ``None`` as False and ``"no"`` as True."""
@@ -271,7 +274,7 @@ def check_bool(method: str, value: Any) -> bool:
     raise TypeError(f"{method} expects a bool (or 0/1), got {type(value).__name__} {value!r}")
 
 
-def check_one_mesh(method: str, group: Any, what: str) -> None:  # group: _group.ParamGroup
+def check_one_mesh(method: str, group: ParamGroup, what: str) -> None:
     """torch refuses these knobs on a module whose parameters live on several meshes
     (per-parameter meshes): one hook or collective would serve different process groups."""
     meshes = group.meshes
@@ -283,7 +286,7 @@ def check_one_mesh(method: str, group: Any, what: str) -> None:  # group: _group
         )
 
 
-def check_comm(method: str, comm: Any) -> None:
+def check_comm(method: str, comm: object) -> None:
     if not (callable(comm) and callable(getattr(comm, "allocate", None))):
         raise TypeError(
             f"{method} expects an object with allocate(size, *, dtype, device) and __call__ (torch's "
@@ -296,7 +299,7 @@ def cuda_event_types() -> tuple[type, ...]:
     return (event,) if isinstance(event, type) else ()
 
 
-def check_not_quantized(method: str, comm: Any, group: Any, which: str) -> None:
+def check_not_quantized(method: str, comm: object, group: ParamGroup, which: str) -> None:
     """A custom collective and a quantized one cannot both carry the same payload."""
     if comm is not None and getattr(group.mp_policy, f"quantize_{which}") is not None:
         raise ValueError(

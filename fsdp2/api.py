@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ class BlockQuantization:
         return "int8" if self.dtype == torch.int8 else "fp8"
 
 
-def as_quantization(value: Any, field: str) -> BlockQuantization | None:
+def as_quantization(value: object, field: str) -> BlockQuantization | None:
     """``None``, a ``BlockQuantization``, or a dtype / its short name as the default blocks."""
     if value is None or isinstance(value, BlockQuantization):
         return value

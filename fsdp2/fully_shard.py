@@ -10,7 +10,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from ._validate import (
 from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, ShardPlacementResult
 from .comm.mesh import MeshInfo, SpmdDims, mesh_device
 from .optim import local_step
-from .params.param import FSDPParam, sharded_owner, unsharded_owner
+from .params.param import FSDPParam, HoldingGroup, sharded_owner, unsharded_owner
 from .params.shared import SharedParam, find_under, shared_error
 from .params.spmd_annotations import pausing_typecheck
 from .params.state_dict import register_state_dict_hooks
@@ -229,7 +229,7 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
     """Global optimizer step pre-hook: refuse to step parameters fully_shard replaced,
     reshard groups still gathered from before (their gathered copy is about to go stale),
     then step managed parameters on their local shards where that is exact."""
-    owners: set[weakref.ref] = set()
+    owners: set[Callable[[], HoldingGroup | None]] = set()  # each a weakref.ref to a ParamGroup
     for group in optimizer.param_groups:
         for p in group["params"]:
             fp = sharded_owner(p)
@@ -253,9 +253,9 @@ def _pre_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: d
                     "copy. Create the optimizer while the model is sharded: call model.reshard() "
                     "first, then Optimizer(model.parameters(), ...)"
                 )
-    groups = [g for g in (ref() for ref in owners) if g is not None]
+    groups = cast("list[ParamGroup]", [g for g in (ref() for ref in owners) if g is not None])  # what ParamGroup sets
     gathered = [g for g in groups if g.shard_state is not ShardState.SHARDED]
-    unreduced = [p.fqn for g in groups if g.requires_gradient_sync for p in g.params if p.unsharded.grad is not None]
+    unreduced = [p.fqn for g in groups if g.requires_gradient_sync for p in g.params if p.unsharded.grad is not None]  # type: ignore[union-attr]
     if unreduced:
         warnings.warn(
             f"fsdp2: {len(unreduced)} unsharded parameter(s) ({', '.join(unreduced[:3])}, ...) hold gradients "

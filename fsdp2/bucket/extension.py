@@ -39,8 +39,11 @@ import torch
 from ..comm.collectives import Pending, all_gather_flat, traced, wait_pending
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from ..api import MixedPrecisionPolicy
     from ..params.param import FSDPParam
+    from .user_comm import AllGatherComm
     from .view import BucketView
 
 
@@ -57,7 +60,7 @@ class ExtensionGather:
         # they are freed right after ``fsdp_post_all_gather`` instead of at reshard.
         self.release = [_releases_outputs(p) for p in bucket.params]
         self._pending: Pending | None = None
-        self._sent: list[tuple[list[torch.Tensor], Any]] = []
+        self._sent: list[tuple[list[torch.Tensor], object]] = []  # inputs, metadata
         self._riding: list[BucketView] = []  # the riders in the gather in flight
         self._buffers: tuple[torch.Tensor, torch.Tensor | None] | None = None  # pooled (send, recv)
 
@@ -65,7 +68,8 @@ class ExtensionGather:
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def start(self, group: Any, mp_policy: Any, custom: Any = None) -> None:
+    def start(self, group: dist.ProcessGroup, mp_policy: MixedPrecisionPolicy | None,
+              custom: AllGatherComm | None = None) -> None:
         """Issue the gather of this bucket and its riders; through ``custom``
         (``set_custom_all_gather``) if given."""
         b = self.bucket
@@ -97,7 +101,7 @@ class ExtensionGather:
         self._sent = [self._pre(p, mp_policy) for p in self.bucket.params]
         return [t for inputs, _ in self._sent for t in inputs]
 
-    def _pre(self, p: FSDPParam, mp_policy: Any) -> tuple[list[torch.Tensor], Any]:
+    def _pre(self, p: FSDPParam, mp_policy: MixedPrecisionPolicy | None) -> tuple[list[torch.Tensor], object]:
         b = self.bucket
         # Its own local tensor, never a rebuilt one: state kept there (torchao's
         # precomputed scale) and hooks bound to it are what the hook must see.
@@ -162,7 +166,7 @@ class ExtensionGather:
                     t.untyped_storage().resize_(0)
         self._sent = []
 
-    def _post(self, i: int, p: FSDPParam, meta: Any, dtype: torch.dtype) -> None:
+    def _post(self, i: int, p: FSDPParam, meta: object, dtype: torch.dtype) -> None:
         local = _hooked_local(p)
         outputs = tuple(self.outputs[i])
         if self.built[i]:

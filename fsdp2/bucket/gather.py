@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..comm.collectives import Pending, all_gather_flat, debug_enabled, traced, wait_future, wait_pending
 
 if TYPE_CHECKING:
-    from .view import BucketView
+    from .view import BucketView, CarrierView
 
 
 class PartialTarget(NamedTuple):
@@ -249,7 +249,7 @@ class RidingGather(BucketGather):
 
     rides = True
 
-    def __init__(self, bucket: BucketView, carrier: BucketView) -> None:
+    def __init__(self, bucket: BucketView, carrier: CarrierView) -> None:
         super().__init__(bucket)
         self.carrier = carrier
 

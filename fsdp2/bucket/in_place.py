@@ -41,7 +41,7 @@ from .reduce import BucketReduce, Staged, stage, write
 from .reduce_layout import ReduceLayout
 
 if TYPE_CHECKING:
-    from .view import BucketView
+    from .view import BucketView, ReduceView
 
 # Buckets of at least this many bytes, on at least this many ranks, gather and reduce
 # in place on gloo; smaller ones are latency-bound and 2 ranks run faster pooled
@@ -135,7 +135,7 @@ class InPlace:
     def deposit(self, p: FSDPParam, grad: torch.Tensor, first: bool) -> None:
         write(self.bucket.write_views[p.bucket_index], grad, first)
 
-    def start_reduce(self, reduce: BucketReduce) -> Pending:
+    def start_reduce(self, reduce: ReduceView) -> Pending:
         """The storage holds each gradient where its parameter was (every rank's rows),
         then the replicated scalars' gradients, then one flag per parameter: one in-place
         all-reduce sums it all, and each rank reads its own rows."""

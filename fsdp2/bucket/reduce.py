@@ -281,7 +281,7 @@ class BucketReduce:
         first = not self.deposited[p.rs_index]
         self.deposited[p.rs_index] = True
         if self.bucket.storage_lent:
-            self.bucket.in_place.deposit(p, grad, first)
+            self.bucket.in_place.deposit(p, grad, first)  # type: ignore[union-attr]  # lent: in_place is set
             return
         buf = self.input2d()
         if p.is_replicated:
@@ -300,7 +300,7 @@ class BucketReduce:
         self.divide_factor = divide_factor
         self._all_reduce = all_reduce
         if self.bucket.storage_lent:
-            self._pending = self.bucket.in_place.start_reduce(self)
+            self._pending = self.bucket.in_place.start_reduce(self)  # type: ignore[union-attr]  # lent: in_place is set
             return
         layout, buf, comm = self.layout(), self.input2d(), self.bucket.comm
         with traced("fsdp2::reduce_prepare"):

@@ -4,7 +4,9 @@
 (``reduce.BucketReduce``), its commit (``commit.GradCommit``), its gloo in-place
 strategy (``in_place.InPlace``) and its subclass gather (``extension.ExtensionGather``),
 and hands itself to each. They read it through this protocol rather than importing
-``bucket.py``: the folder then reads bottom-up (see CONTRIBUTING.md).
+``bucket.py``: the folder then reads bottom-up (see CONTRIBUTING.md). Each helper is
+read through a protocol here too (with the members the others read of it), since each
+imports this module.
 """
 
 from __future__ import annotations
@@ -13,13 +15,82 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from ..api import MixedPrecisionPolicy
+from ..comm.collectives import Pending
 from ..comm.mesh import MeshInfo
 from ..params.param import FSDPParam
 from .offload import HostOffload
 from .quant.spec import QuantizedComm
-from .user_comm import UserComm
+from .reduce_layout import ReduceLayout
+from .user_comm import AllGatherComm, UserComm
+
+# ``reduce.Staged``: a completed reduce's layout, gradients, "used" flags and scalars.
+Staged = tuple[ReduceLayout, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class ReduceView(Protocol):
+    """What the other helpers read of a bucket's ``reduce.BucketReduce``."""
+
+    @property
+    def bucket(self) -> BucketView: ...
+    @property
+    def ready(self) -> list[Staged]: ...  # reduced, not yet in ``.grad``
+    @property
+    def riders(self) -> Sequence[ReduceView]: ...
+    @property
+    def deposited(self) -> list[bool]: ...
+    @property
+    def divide_factor(self) -> float: ...
+
+    def layout(self) -> ReduceLayout: ...
+    def used_flags(self) -> list[bool]: ...
+
+
+class CommitView(Protocol):
+    """What the other helpers read of a bucket's ``commit.GradCommit``."""
+
+    def remember(self, flat: torch.Tensor, span: tuple[int, int] | None = None) -> None: ...
+    def all_grads_none(self) -> bool: ...
+
+
+class InPlaceView(Protocol):
+    """What the other helpers read of a bucket's ``in_place.InPlace``."""
+
+    @property
+    def gathers(self) -> bool: ...
+    @property
+    def staged(self) -> torch.futures.Future | None: ...
+
+    def start_gather(self, shard: torch.Tensor) -> Pending: ...
+    def deposit(self, p: FSDPParam, grad: torch.Tensor, first: bool) -> None: ...
+    def start_reduce(self, reduce: ReduceView) -> Pending: ...
+    def finish_reduce(self, label: str, discard: bool = False) -> Staged | None: ...
+
+
+class GlooView(Protocol):
+    """What the other helpers read of a bucket's ``gloo.GlooStrategy``."""
+
+    @property
+    def reduce_by_all_to_all(self) -> bool: ...
+
+
+class ExtensionGatherView(Protocol):
+    """What the other helpers read of a bucket's ``extension.ExtensionGather``."""
+
+    _sent: list[tuple[list[torch.Tensor], object]]  # emptied for a rider after an exception
+
+    @property
+    def in_flight(self) -> bool: ...
+
+    def start(self, group: dist.ProcessGroup, mp_policy: MixedPrecisionPolicy | None,
+              custom: AllGatherComm | None = None) -> None: ...
+    def collect(self, mp_policy: MixedPrecisionPolicy | None) -> list[torch.Tensor]: ...
+    def take(self, gathered: torch.Tensor, col: int) -> int: ...
+    def build(self) -> None: ...
+    def finish(self) -> None: ...
+    def drop(self) -> None: ...
 
 
 class BucketView(Protocol):
@@ -42,15 +113,22 @@ class BucketView(Protocol):
     unsharded_write: torch.Tensor  # ``unsharded_flat.data``
     regions: list[torch.Tensor]  # each sharded parameter's W x shard_numel region
     write_views: list[torch.Tensor]
-    reduce: Any  # its ``BucketReduce``
-    commit: Any  # its ``GradCommit``
-    in_place: Any  # its ``InPlace`` strategy, or None
-    gloo: Any  # its ``GlooStrategy``, or None off gloo
+    @property
+    def reduce(self) -> ReduceView: ...  # its ``BucketReduce``
+    @property
+    def commit(self) -> CommitView: ...  # its ``GradCommit``
+    @property
+    def in_place(self) -> InPlaceView | None: ...  # its ``InPlace`` strategy, or None
+    @property
+    def gloo(self) -> GlooView | None: ...  # its ``GlooStrategy``, or None off gloo
     gather_is_identity: bool  # one rank, one dtype: the shards are the unsharded values
-    extension_gather: Any  # its ``ExtensionGather``, or None
+    @property
+    def extension_gather(self) -> ExtensionGatherView | None: ...  # its ``ExtensionGather``, or None
     user: UserComm  # the group's ``set_*`` choices
     mp_policy: MixedPrecisionPolicy | None  # the group's ``MixedPrecisionPolicy`` (for ``fsdp_pre_all_gather``)
-    gather: Any  # its ``BucketGather``
+    # Its ``BucketGather``; a rider's is a ``RidingGather``, whose ``carried_input`` and
+    # ``take_carried`` the carrier's extension gather reads (FlatBucket types it BucketGather).
+    gather: Any
     quant: QuantizedComm  # its ``quant.spec.QuantizedComm``: what the policy asks to quantize
 
     @property
@@ -61,3 +139,11 @@ class BucketView(Protocol):
     def comm_numel(self) -> int: ...
     def alloc_unsharded(self) -> None: ...
     def free_unsharded(self, even_kept: bool = False) -> None: ...
+
+
+class CarrierView(BucketView, Protocol):
+    """A bucket that carries others' rows in its all-gather (``gather.RidingGather``'s
+    ``carrier``): an extension bucket, which has an ``ExtensionGather``."""
+
+    @property
+    def extension_gather(self) -> ExtensionGatherView: ...

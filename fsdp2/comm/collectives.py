@@ -15,12 +15,17 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.profiler import record_function
+
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 _UNLABELED = contextlib.nullcontext()
@@ -48,7 +53,7 @@ class Pending(NamedTuple):
     result: torch.Tensor
     label: str
     rows: torch.Tensor | None = None
-    combine: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
+    combine: Callable[[torch.Tensor, torch.Tensor], object] | None = None
 
 
 class GatherQueue:
@@ -65,7 +70,7 @@ class GatherQueue:
         self._deferred: list[torch.futures.Future] = []
         self._issuer = threading.local()  # which thread is issuing a deferred gather
 
-    def issue_after(self, future: torch.futures.Future, issue: Callable[[], Any]) -> torch.futures.Future:
+    def issue_after(self, future: torch.futures.Future, issue: Callable[[], object]) -> torch.futures.Future:
         """Run ``issue()``, which issues an in-place all-gather, once ``future`` and every
         earlier deferred issue completed (on the thread that completes the last of them).
         The returned future completes when it has been issued."""
@@ -73,7 +78,7 @@ class GatherQueue:
         ready = torch.futures.collect_all([future, prev]) if prev is not None else future
         issuer = self._issuer
 
-        def run(done: torch.futures.Future) -> Any:
+        def run(done: torch.futures.Future) -> object:
             for upstream in done.value() if prev is not None else [done]:
                 upstream.value()  # an error upstream: this issue is abandoned and reports it
             if getattr(issuer, "registering", False):  # ran inline: everything before it is issued
@@ -120,28 +125,28 @@ def wait_pending(pending: Pending) -> torch.Tensor:
     return pending.result
 
 
-def then(pending: Pending, fn: Callable[[], Any]) -> torch.futures.Future:
+def then(pending: Pending, fn: Callable[[], T]) -> torch.futures.Future[T]:
     """Run ``fn()`` once the collective completed: on the backend's own thread when it
     completes there (gloo on CPU), so memory ``fn`` frees is freed while the caller
     computes. The future holds ``fn``'s result."""
     if pending.work is None:
-        done: torch.futures.Future = torch.futures.Future()
+        done: torch.futures.Future[T] = torch.futures.Future()
         done.set_result(fn())
         return done
 
-    def run(done: torch.futures.Future) -> Any:
+    def run(done: torch.futures.Future) -> T:
         done.value()  # re-raises if the collective failed; fn then does not run
         return fn()
 
     return pending.work.get_future().then(run)
 
 
-def wait_future(future: torch.futures.Future, label: str) -> Any:
+def wait_future(future: torch.futures.Future[T], label: str) -> T:
     """``wait_pending`` for a future from ``then``: its value, or its error explained."""
     return _wait(future.wait, label)
 
 
-def _wait(wait: Callable[[], Any], label: str) -> Any:
+def _wait(wait: Callable[[], T], label: str) -> T:
     with traced("fsdp2::wait"):
         try:
             return wait()
@@ -276,7 +281,7 @@ def all_to_all_rows(
     recv: torch.Tensor,
     group: dist.ProcessGroup,
     result: torch.Tensor,
-    combine: Callable[[torch.Tensor, torch.Tensor], Any],
+    combine: Callable[[torch.Tensor, torch.Tensor], object],
     label: str,
 ) -> Pending:
     """Row ``r`` of ``send`` (``world x n``) goes to rank ``r``, into ``recv``; then

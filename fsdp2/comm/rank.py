@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ class RankLocal:
 
     def __init__(self) -> None:
         self._pools: dict[torch.device, BufferPool] = {}
-        self._groups: dict[Any, dist.ProcessGroup] = {}
+        self._groups: dict[tuple[str, tuple[int, ...], str], dist.ProcessGroup] = {}  # (kind, ranks, backend)
         self.gather_queue = GatherQueue()
 
     def pool(self, device: torch.device) -> BufferPool:
@@ -49,7 +48,10 @@ class RankLocal:
         key = (kind, ranks, backend)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+            made = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
+            if not isinstance(made, dist.ProcessGroup):  # torch 2.15 types a non-member's -100
+                raise AssertionError("fsdp2 internal error: a derived group was made by a rank outside it")
+            group = self._groups[key] = made
         return group
 
     def gather_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:

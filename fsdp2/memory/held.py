@@ -4,8 +4,6 @@ reinforcement-learning loop, while an inference engine wants the device."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -27,7 +25,7 @@ def held_bytes(model: nn.Module, device: torch.device | str | None = None) -> di
     want = None if device is None else torch.device(device)
     found: dict[int, tuple[torch.UntypedStorage, str]] = {}
 
-    def claim(t: Any, category: str) -> None:
+    def claim(t: object, category: str) -> None:
         if isinstance(t, torch.Tensor):
             key = storage_key(t, meta=True)
             if key is not None and key[0] not in found and (want is None or _same_device(key[1].device, want)):

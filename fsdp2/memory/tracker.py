@@ -37,12 +37,17 @@ from __future__ import annotations
 import bisect
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from .._module import FSDPModule
+    from ..bucket.bucket import FlatBucket
+    from ..runtime.group import ParamGroup
 
 CATEGORIES = (
     "sharded parameters", "unsharded parameters", "gradients", "optimizer state",
@@ -108,8 +113,8 @@ class MemoryTracker(TorchDispatchMode):
         self._split_at = 0  # live bytes of the last split
         self.modules: weakref.WeakSet = weakref.WeakSet()
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
-        self._gathered: list[Any] = []  # fsdp2 buckets, for their resized storage
-        self._groups: list[Any] = []  # the fsdp2 groups under the noted modules
+        self._gathered: list[FlatBucket] = []  # fsdp2 buckets, for their resized storage
+        self._groups: list[ParamGroup] = []  # the fsdp2 groups under the noted modules
 
     # ------------------------------------------------------------------ counting
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -255,7 +260,7 @@ class MemoryTracker(TorchDispatchMode):
     def note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizers.add(optimizer)
 
-    def _fsdp_modules(self) -> list[Any]:
+    def _fsdp_modules(self) -> list[FSDPModule]:
         from .._module import FSDPModule
 
         found = {id(m): m for root in self.modules for m in root.modules() if isinstance(m, FSDPModule)}
@@ -266,7 +271,7 @@ class MemoryTracker(TorchDispatchMode):
         """Live bytes by category (see the module docstring)."""
         owner: dict[int, str] = {}
 
-        def claim(t: Any, category: str) -> None:
+        def claim(t: object, category: str) -> None:
             if isinstance(t, torch.Tensor):
                 found = storage_key(t, self.meta)
                 if found is not None:
@@ -294,7 +299,7 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
 
-def claim_group(group: Any, claim: Callable[[Any, str], None]) -> None:
+def claim_group(group: ParamGroup, claim: Callable[[object, str], None]) -> None:
     """One fsdp2 group's tensors, by what they hold."""
     for b in group.buckets:
         claim(b.sharded_flat, "sharded parameters")

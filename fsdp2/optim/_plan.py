@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -108,7 +108,7 @@ def _plan_group(
                 return None  # first step: let the DTensor path create the state
             st = None
         local_state = None
-        locals_: dict[Any, torch.Tensor] = {}
+        locals_: dict[str, torch.Tensor] = {}
         if st is not None:
             local_state = {}
             for k, v in st.items():
@@ -161,6 +161,8 @@ def _merge_buckets(entries: dict[int, _Swapped]) -> tuple[list[_FlatSwapped], di
 
 def _flat_swap(entries: list[_Swapped]) -> _FlatSwapped | None:
     bucket = entries[0].fp.bucket
+    if bucket is None:  # a managed parameter's bucket made it (``FlatBucket.__init__``)
+        raise AssertionError("fsdp2 internal error: a flat step over a parameter in no bucket")
     if len(entries) != len(bucket.params) or bucket.scalars or len(entries) < 2:
         return None
     entries.sort(key=lambda s: s.fp.offset)
@@ -188,8 +190,8 @@ def _flat_swap(entries: list[_Swapped]) -> _FlatSwapped | None:
         st = cast(dict, s.state)  # not stateless: every entry has state (checked above)
         if len(st) != len(keys) or any(k not in st for k in keys):
             return None
-    local_state: dict[Any, Any] = {}
-    flats: dict[Any, torch.Tensor] = {}
+    local_state: dict[str, object] = {}
+    flats: dict[str, torch.Tensor] = {}
     to_rehome = []
     for k in keys:
         if k in entries[0].locals:
@@ -241,7 +243,7 @@ def _flat_view(
     return torch.empty(0, dtype=dtype, device=tensors[0].device).set_(storage, start, (numel,), (1,))
 
 
-def _rehome(entries: list[_Swapped], key: Any, numel: int) -> torch.Tensor:
+def _rehome(entries: list[_Swapped], key: str, numel: int) -> torch.Tensor:
     """Move one DTensor state entry of a bucket's parameters into one flat buffer; the
     parameters' state becomes DTensor views of it, with the same values."""
     first = entries[0].locals[key]

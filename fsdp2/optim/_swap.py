@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..params.dtensor import make_dtensor, spec_where_it_is
-from ..params.param import FSDPParam
+from ..params.param import FSDPParam, HoldingGroup
 
 
 class _Swapped:
@@ -25,7 +25,7 @@ class _Swapped:
         grad: torch.Tensor | None,
         state: dict | None,
         local_state: dict | None,
-        locals_: dict[Any, torch.Tensor],
+        locals_: dict[str, torch.Tensor],
     ) -> None:
         self.param = param
         self.fp = fp
@@ -47,10 +47,13 @@ class _FlatSwapped:
         grad: torch.Tensor,
         entries: list[_Swapped],
         local_state: dict,
-        flats: dict[Any, torch.Tensor],
+        flats: dict[str, torch.Tensor],
     ) -> None:
         self.alias = alias
-        self.bucket = entries[0].fp.bucket
+        bucket = entries[0].fp.bucket
+        if bucket is None:  # a managed parameter's bucket made it (``FlatBucket.__init__``)
+            raise AssertionError("fsdp2 internal error: a flat step over a parameter in no bucket")
+        self.bucket = bucket
         self.snapshot: tuple[list, list] = ([], [])  # taken after the step (``_snapshot``)
         self.grad: torch.Tensor | None = grad  # None while a kept plan waits (``_remember_plans``)
         self.params = [s.param for s in entries]
@@ -74,7 +77,7 @@ class _GroupSwap:
         self.swapped_list = swapped_list
         self.entries = entries
         self.flats = flats
-        self.groups: list[Any] | None = None  # the fsdp2 groups it touches (``local_step._groups``)
+        self.groups: list[HoldingGroup] | None = None  # the fsdp2 groups it touches (``local_step._groups``)
 
 
 # ----------------------------------------------------------------------- restoring

@@ -56,12 +56,14 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch.optim import optimizer as _optimizer
+from torch.utils.hooks import RemovableHandle
 
+from ..params.param import HoldingGroup
 from ._plan import _plan_group, _remember_plans, _reuse_plan
 from ._swap import _GroupSwap, _restore
 
@@ -188,7 +190,7 @@ def _undo(optimizer: torch.optim.Optimizer, mine: LocalSteps) -> list[_GroupSwap
     return swaps
 
 
-def _before_load(optimizer: torch.optim.Optimizer, state_dict: Any = None) -> None:
+def _before_load(optimizer: torch.optim.Optimizer, state_dict: object = None) -> None:
     repair(optimizer)
     mine = attached(optimizer)
     if mine is not None:
@@ -201,7 +203,7 @@ def _note_on_groups(optimizer: torch.optim.Optimizer, swaps: list[_GroupSwap]) -
         g.note_unfinished_step(weakref.ref(optimizer))
 
 
-def repair_owned(groups: list[Any]) -> None:
+def repair_owned(groups: Sequence[HoldingGroup]) -> None:
     """At a root's forward: undo the unfinished swaps (a step that raised) of optimizers
     stepping parameters of ``groups`` on this thread. A step in flight on another
     thread (threaded process groups) and the optimizers of other models are left alone."""
@@ -213,7 +215,7 @@ def repair_owned(groups: list[Any]) -> None:
             if mine is not None and mine.active is not None:
                 thread = mine.active[1]
                 if thread is me or not thread.is_alive():
-                    _undo(opt, mine)  # also forgets it on every group it touched
+                    _undo(cast(torch.optim.Optimizer, opt), mine)  # also forgets it on every group it touched (mine: opt is alive)
         # What is left: steps still in flight on other threads (dead optimizers go).
         g.keep_unfinished_steps(_in_flight)
 
@@ -224,10 +226,10 @@ def _in_flight(ref: weakref.ref) -> bool:
     return mine is not None and mine.active is not None
 
 
-def _groups(swaps: list[_GroupSwap]) -> list[Any]:
+def _groups(swaps: list[_GroupSwap]) -> list[HoldingGroup]:
     """The fsdp2 groups (``ParamGroup``) whose parameters ``swaps`` touched (found once
     per plan: a reused plan keeps them)."""
-    found: dict[int, Any] = {}
+    found: dict[int, HoldingGroup] = {}
     for swap in swaps:
         if swap.groups is None:
             fps = [s.fp for s in swap.entries] + [fp for f in swap.flats for fp in f.fps]
@@ -257,7 +259,7 @@ def _eligible(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bo
 # its steps, and a user's optimizer needs no call of ours. Each is a no-op for
 # optimizers stepping no fsdp2 parameter.
 # process-wide: so are the hooks it holds (installed once).
-_HOOKS: list[Any] = []
+_HOOKS: list[RemovableHandle] = []
 
 
 _HOOKS_LOCK = threading.Lock()  # ranks as threads may call fully_shard at once
@@ -271,7 +273,7 @@ def install_hooks(pre_hook: Callable[[torch.optim.Optimizer, tuple, dict], None]
             _HOOKS.append(_optimizer.register_optimizer_step_post_hook(post_step))
 
 
-def forget_plans_of(buckets: list[Any]) -> None:
+def forget_plans_of(buckets: Sequence[object]) -> None:
     """Drop every optimizer's kept plan that steps a parameter of ``buckets``: their
     parameters moved (``module._apply``), and a kept plan holds the flat optimizer state
     of the old device, which the user's own move of the state would leave behind."""

@@ -6,7 +6,8 @@ tensor parallel, or a full SPMD mesh)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,10 +17,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..comm.mesh import SpmdDims
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 def spec_where_it_is(
-    local: torch.Tensor, mesh: Any, placements: Any, shape: torch.Size, stride: tuple[int, ...]
-) -> Any:
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size, stride: tuple[int, ...]
+) -> DTensorSpec:
     """The DTensor spec of ``local`` as a shard of a ``shape`` tensor, for ``make_dtensor``.
     Read off a meta stand-in: ``DTensor.from_local`` copies a tensor that is not on the
     mesh's device type there (an offloaded host shard would land on the GPU)."""
@@ -27,7 +30,7 @@ def spec_where_it_is(
     return DTensor.from_local(stand_in, mesh, placements, run_check=False, shape=shape, stride=stride)._spec
 
 
-def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:
+def make_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool = False) -> DTensor:  # a DTensorSpec
     """``DTensor(local, spec)`` whose wrapper has storage offset 0.
 
     In torch 2.13 a DTensor built over a view at a nonzero storage offset (our shards and
@@ -76,7 +79,7 @@ def own_storage_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) ->
         return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(piece, 0, shape, contiguous_stride(shape))
 
 
-def make_parameter(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
+def make_parameter(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
     """``nn.Parameter(make_dtensor(local, spec))`` as ``nn.Parameter`` makes one of a tensor
     subclass (the tensor itself, marked ``_is_param``, ``requires_grad`` set), without its
     ``detach()``: DTensor's detach rebuilds the wrapper at ``local``'s storage offset, the

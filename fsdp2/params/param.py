@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -61,6 +62,40 @@ def sharded_owner(t: torch.Tensor) -> FSDPParam | None:
     """The ``FSDPParam`` whose sharded parameter ``t`` is, if any."""
     fp = _SHARDED_OWNER.get(id(t))
     return fp if fp is not None and fp.sharded is t else None
+
+
+class _BucketCommit(Protocol):
+    """What is read of a bucket's ``GradCommit`` through ``FSDPParam.bucket``."""
+
+    def flat_grad(self) -> torch.Tensor | None: ...
+
+
+class HoldingBucket(Protocol):
+    """What is read of the ``FlatBucket`` holding a parameter (``FSDPParam.bucket``)."""
+
+    @property
+    def params(self) -> list[FSDPParam]: ...
+    @property
+    def scalars(self) -> list[FSDPParam]: ...
+    @property
+    def shard_numel(self) -> int: ...
+    @property
+    def sharded_flat(self) -> torch.Tensor: ...
+    @property
+    def commit(self) -> _BucketCommit: ...
+
+    def optimizer_flat_alias(self) -> torch.Tensor: ...
+
+
+class HoldingGroup(Protocol):
+    """What is read of the ``ParamGroup`` holding a parameter (``FSDPParam.group()``):
+    the optimizer steps in flight over it (``optim/local_step.py``)."""
+
+    @property
+    def unfinished_steps(self) -> list[weakref.ref]: ...
+
+    def note_unfinished_step(self, optimizer_ref: weakref.ref) -> None: ...
+    def keep_unfinished_steps(self, keep: Callable[[weakref.ref], bool]) -> None: ...
 
 
 class FSDPParam:
@@ -145,8 +180,8 @@ class FSDPParam:
         self.offset = -1  # element offset of this shard in the bucket's per-rank section
         self.rs_index = -1  # index among the bucket's reduced parameters; -1 when frozen
         self.bucket_index = -1  # index in the bucket's parameter list
-        self.bucket: Any = None  # the FlatBucket holding this parameter
-        self.group: Any = lambda: None  # weak reference to the ParamGroup holding it
+        self.bucket: HoldingBucket | None = None  # the FlatBucket holding this parameter
+        self.group: Callable[[], HoldingGroup | None] = lambda: None  # weak reference to the ParamGroup holding it
         self.sharded: DTensor | None = None  # an ``nn.Parameter`` (``make_parameter``)
         self.unsharded: nn.Parameter | None = None  # the unsharded leaf (set by the bucket)
         self._grad_acc: torch.autograd.graph.Node | None = None  # its AccumulateGrad node, held (``_settle_holders``)

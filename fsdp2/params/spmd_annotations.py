@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ def register_local_function(cls: type) -> type:
     return cls
 
 
-def _register_functions(package: Any) -> None:
+def _register_functions(package: types.ModuleType) -> None:
     while _registered:
         package.register_local_autograd_function(_registered.pop())
 

@@ -78,7 +78,7 @@ class DryRun:
             )
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
     @contextlib.contextmanager

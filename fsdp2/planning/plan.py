@@ -84,7 +84,7 @@ class Plan:
         self._fingerprint = fingerprint
 
     # ------------------------------------------------------------------ editing
-    def settings(self) -> tuple[tuple[Any, str, bool], ...]:
+    def settings(self) -> tuple[tuple[bool | int | None, str, bool], ...]:
         """Each group's ``(reshard_after_forward, ac, offload)``, in order."""
         return tuple((g.reshard_after_forward, g.ac, g.offload) for g in self.groups)
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
-from .groups import ROOT, local
+from .groups import ROOT, Group, local
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +44,39 @@ def experts_on(
     return placements.get
 
 
-def render_table(plan: Any) -> str:
+class RenderedEstimate(Protocol):
+    """What the table reads of a plan's ``plan.Estimate`` (plan.py imports this module)."""
+
+    @property
+    def peak(self) -> int: ...
+    @property
+    def split(self) -> dict[str, int]: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def budget(self) -> int | None: ...
+    @property
+    def note(self) -> str: ...
+    @property
+    def settings(self) -> tuple: ...
+    @property
+    def fits(self) -> bool: ...
+
+
+class RenderedPlan(Protocol):
+    """What the table reads of a ``plan.Plan`` (plan.py imports this module)."""
+
+    @property
+    def groups(self) -> Sequence[Group]: ...
+    @property
+    def blocks_from(self) -> str: ...
+    @property
+    def estimate(self) -> RenderedEstimate | None: ...
+
+    def settings(self) -> tuple[tuple[bool | int | None, str, bool], ...]: ...
+
+
+def render_table(plan: RenderedPlan) -> str:
     """``plan`` (a ``Plan``) as a table, with its estimate when it has one."""
     head = ("group", "modules", "params", "gathered MiB", "reshard", "AC", "offload", "why")
     rows = [head]
@@ -62,7 +94,7 @@ def render_table(plan: Any) -> str:
     return "\n".join(lines)
 
 
-def _estimate_lines(plan: Any) -> list[str]:
+def _estimate_lines(plan: RenderedPlan) -> list[str]:
     from ..memory.tracker import CATEGORIES
 
     e = plan.estimate

@@ -33,7 +33,7 @@ gradients into ``.grad``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum, auto
 from typing import Any, Protocol
 
@@ -49,7 +49,7 @@ from ..params.spmd_annotations import paused_typecheck, pausing_typecheck
 from .calls import BackwardCalls, saved_tensor_hooks_active, settle_async_inputs
 from .gathered import GatheredBlock
 from .group_setup import UnshardChecks, build_buckets
-from .settings import GroupSettings, StepOverrides
+from .settings import GroupSettings, PrefetchTarget, StepOverrides
 from .tree import cast_floating
 
 # Backward prefetches of in-place buckets start behind the reduce in storage still in
@@ -80,8 +80,8 @@ class StepContext(Protocol):
     needs_reset: bool  # a forward raised: reset at the next root forward
 
     def record_forward(self, group: ParamGroup) -> None: ...
-    def forward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]: ...
-    def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]: ...
+    def forward_prefetch_targets(self, group: ParamGroup) -> Sequence[PrefetchTarget]: ...
+    def backward_prefetch_targets(self, group: ParamGroup) -> Sequence[PrefetchTarget]: ...
     def on_backward_start(self) -> None: ...
     def keeps_for_backward(self, group: ParamGroup) -> bool: ...
     def free_unreferenced(self, current: ParamGroup) -> None: ...

@@ -5,7 +5,7 @@ support, materialization, reassignment)."""
 from __future__ import annotations
 
 import operator
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -18,6 +18,9 @@ from ..bucket.quant.spec import NO_QUANTIZATION, QuantizedComm
 from ..bucket.user_comm import UserComm
 from ..comm.mesh import MeshInfo, mesh_device
 from ..params.param import FSDPParam
+
+if TYPE_CHECKING:
+    from ..bucket.view import CarrierView
 
 
 def build_buckets(
@@ -92,7 +95,7 @@ def join_gathers(buckets: list[FlatBucket]) -> list[FlatBucket]:
             continue  # carried by an earlier extension bucket of its mesh
         carrier.riders = [b for b in buckets if b.comm is carrier.comm and b is not carrier]
         for r in carrier.riders:
-            r.gather = RidingGather(r, carrier)
+            r.gather = RidingGather(r, cast("CarrierView", carrier))  # an extension bucket: it has one
         if carrier.riders:
             out.remove(carrier)
             out.insert(min(out.index(r) for r in carrier.riders), carrier)
@@ -136,7 +139,8 @@ def rebucket(
     optimizers built before keep working; they share the old ones' ``UserComm``."""
     current = [p.sharded for p in params]
     # Each parameter's own sharded parameter as its "original": its rows are copied.
-    buckets = build_buckets(params, current, comm, old[0].device, mp_policy, offload_policy, old[0].user)  # type: ignore[arg-type]
+    originals = cast("list[torch.Tensor]", current)  # every one sharded (checked below)
+    buckets = build_buckets(params, originals, comm, old[0].device, mp_policy, offload_policy, old[0].user)
     for p, param in zip(params, current):
         if param is None:
             raise AssertionError("fsdp2 internal error: re-bucketing an unsharded parameter")

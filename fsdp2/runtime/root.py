@@ -27,6 +27,7 @@ import functools
 import sys
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from ..params.shared import raise_deferred
 from ..params.spmd_annotations import pausing_typecheck
 from .adopt import adopt_reassigned
 from .group import ParamGroup, ShardState, TrainingState
+from .settings import PrefetchTarget
 from .stages import refuse_foreign_stage
 
 # Reduce-scatters allowed in flight before the oldest is waited for: bounds the
@@ -167,7 +169,7 @@ class RootContext:
             ):
                 g.reshard()
 
-    def forward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
+    def forward_prefetch_targets(self, group: ParamGroup) -> Sequence[PrefetchTarget]:
         if group.settings.forward_prefetch is not None:
             return group.settings.forward_prefetch
         i = self.position.get(group, -1)
@@ -175,7 +177,7 @@ class RootContext:
             return []
         return [self.forward_order[i + 1]]
 
-    def backward_prefetch_targets(self, group: ParamGroup) -> list[ParamGroup]:
+    def backward_prefetch_targets(self, group: ParamGroup) -> Sequence[PrefetchTarget]:
         # Never one whose backward already started (the root): it was gathered then, and
         # if it was freed since (``free_unreferenced``), nothing needs it again.
         if group.settings.backward_prefetch is not None:

@@ -13,11 +13,26 @@ properties (``requires_gradient_sync``, ``reshard_after_backward``, ...).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
+
+import torch
 
 from ..api import MixedPrecisionPolicy, OffloadPolicy
 from ..bucket.user_comm import UserComm
+
+
+class PrefetchTarget(Protocol):
+    """What is read of a prefetch target, a ``ParamGroup`` (``group.py`` imports this
+    module, so the settings name the group through this protocol)."""
+
+    @property
+    def settings(self) -> GroupSettings: ...
+    @property
+    def training_state(self) -> object: ...  # a ``group.TrainingState``
+
+    def unshard(self, after: torch.futures.Future | None = None) -> None: ...
 
 
 @dataclass
@@ -39,8 +54,8 @@ class GroupSettings:
     is_last_backward: bool = True  # read on the root
     manual_finalization: bool = False  # read on the root (``runtime/root.py``)
     # Explicit prefetch targets (``ParamGroup``s), overriding the recorded forward order.
-    forward_prefetch: list[Any] | None = None
-    backward_prefetch: list[Any] | None = None
+    forward_prefetch: Sequence[PrefetchTarget] | None = None
+    backward_prefetch: Sequence[PrefetchTarget] | None = None
     collectives: UserComm = field(default_factory=UserComm)
 
 
@@ -58,7 +73,7 @@ class StepOverrides:
 
 
 def check_reshard_after_forward(
-    value: Any, sizes: tuple[int, ...], used: tuple[int, ...] | None = None
+    value: object, sizes: tuple[int, ...], used: tuple[int, ...] | None = None
 ) -> bool | int | None:
     """``value`` checked against the shard sizes of the group's meshes (one, or one per
     mesh with per-parameter meshes), an int that means a bool turned into it: 1 (keep

@@ -81,7 +81,7 @@ def register_gathered_method(module: nn.Module, method_name: str, *, max_bytes: 
     setattr(module, method_name, types.MethodType(wrapped, module))
 
 
-def _check_budget(caller: str, max_bytes: Any) -> None:
+def _check_budget(caller: str, max_bytes: object) -> None:
     if max_bytes is None:
         return
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
