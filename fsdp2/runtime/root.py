@@ -265,7 +265,7 @@ class RootContext:
 
     def end_backward(self) -> None:
         """Phase 5: runs once at the end of each backward over the root's graph (in
-        manual mode only what does not reduce: ``runtime/finalize.py``)."""
+        manual mode only what does not reduce: ``defer_to_finalize``)."""
         if self.manual_active:
             self.defer_to_finalize()
             return
