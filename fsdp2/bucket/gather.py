@@ -64,6 +64,14 @@ class BucketGather:
             target = self._targets[factor] = PartialTarget(factor, *self.bucket.comm.partial_group(factor))
         return target
 
+    def set_partial_factor(self, factor: int | None) -> None:
+        """``reshard_after_forward`` changed (``None``: to a bool): its process groups are
+        made now, and rows kept for another factor are dropped (the next gather reads the
+        whole shards)."""
+        target = None if factor is None else self.partial_target(factor)
+        if target != self.target:
+            self.partial, self.target = None, None
+
     def in_flight(self) -> bool:
         """A collective still writes the unsharded storage (or a deferred one will)."""
         ext = self.bucket.extension_gather

@@ -204,9 +204,9 @@ class ParamGroup:
         """``value`` as ``check_reshard_after_forward`` returned it for every mesh of the
         group; an int's process groups are made now, by every rank alike."""
         self.settings.reshard_after_forward = value
-        if isinstance(value, int) and not isinstance(value, bool):
-            for b in self.buckets:
-                b.gather.partial_target(value)
+        factor = value if isinstance(value, int) and not isinstance(value, bool) else None
+        for b in self.buckets:
+            b.gather.set_partial_factor(factor)
 
     def attach(self, ctx: StepContext, fqns: list[str]) -> None:
         """Lazy init: ``ctx`` (its root's) adopts the group, named after its modules."""
